@@ -1,0 +1,117 @@
+"""Typed Python faces of the ``torch.ops.ampfused`` ops, with their fake (meta) kernels.
+
+Contracts in full: ``csrc/unscale.h``; executable specification: :mod:`ampfused.reference`.
+Every op is one kernel launch on CUDA for the whole list (any count, float16/bfloat16/float32/
+float64 mixed), never syncs with the host, and accepts non-dense gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["non_finite_check_and_unscale_", "non_finite_check_", "unscale_update_scale_"]
+
+
+def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """Unscale ``grads`` in place and flag inf/NaN; ``torch._amp_foreach_non_finite_check_and_unscale_``.
+
+    Args:
+        grads: float16/bfloat16/float32/float64 tensors on one device; mutated: every element
+            ``v`` becomes ``v if inv_scale == 1 else v * inv_scale`` (float math, double for
+            float64), rounded to its dtype.
+        found_inf: one-element float32 tensor on that device; set to 1.0 if any input element
+            was inf or NaN, otherwise left as it was (zero it first).
+        inv_scale: one-element float32 tensor on that device.
+
+    In plain PyTorch: ``found_inf.fill_(1.0) if not all(torch.isfinite(g).all() for g in grads)``
+    then ``torch._foreach_mul_(grads, inv_scale)``, except that torch's CUDA kernel rejects
+    bfloat16 and launches once per dtype.
+    """
+    torch.ops.ampfused.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def non_finite_check_(grads: list[Tensor], found_inf: Tensor) -> None:
+    """Flag inf/NaN in ``grads`` without writing them (reads each element once).
+
+    Args:
+        grads: float16/bfloat16/float32/float64 tensors on one device; not modified.
+        found_inf: one-element float32 tensor; set to 1.0 if any element is inf or NaN,
+            otherwise left as it was.
+
+    In plain PyTorch: ``if not all(torch.isfinite(g).all() for g in grads): found_inf.fill_(1.0)``.
+    """
+    torch.ops.ampfused.non_finite_check_(grads, found_inf)
+
+
+def unscale_update_scale_(
+    grads: list[Tensor],
+    found_inf: Tensor,
+    scale: Tensor,
+    growth_tracker: Tensor,
+    next_scale: Tensor,
+    next_growth_tracker: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    check_only: bool = False,
+    accumulate: bool = False,
+) -> None:
+    """GradScaler's whole per-optimizer pass: unscale (or only check), then the scale update.
+
+    Args:
+        grads: as in :func:`non_finite_check_and_unscale_`; unscaled by
+            ``inv_scale = float32(1 / float64(scale))`` unless ``check_only`` (then untouched).
+        found_inf: one-element float32 tensor, overwritten with 1.0 (inf/NaN seen) or 0.0.
+        scale: one-element float32 tensor; read only.
+        growth_tracker: one-element int32 tensor; read only.
+        next_scale, next_growth_tracker: one-element float32 / int32 tensors receiving the result
+            of ``torch._amp_update_scale_`` applied to copies of (scale, growth_tracker): always
+            when ``accumulate`` is False; only when inf/NaN was seen when it is True (so several
+            passes of one iteration combine like torch's sum of found_inf values).
+        growth_factor, backoff_factor, growth_interval: as in ``torch._amp_update_scale_``.
+        check_only: read-only pass (no gradient is written).
+        accumulate: this is not the first pass of the iteration (see next_scale).
+    """
+    torch.ops.ampfused.unscale_update_scale_(
+        grads,
+        found_inf,
+        scale,
+        growth_tracker,
+        next_scale,
+        next_growth_tracker,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        check_only,
+        accumulate,
+    )
+
+
+# Fake kernels: the ops only mutate their arguments and return nothing, so tracing needs no
+# shape logic.
+@torch.library.register_fake("ampfused::non_finite_check_and_unscale_")
+def _(grads, found_inf, inv_scale):
+    return None
+
+
+@torch.library.register_fake("ampfused::non_finite_check_")
+def _(grads, found_inf):
+    return None
+
+
+@torch.library.register_fake("ampfused::unscale_update_scale_")
+def _(
+    grads,
+    found_inf,
+    scale,
+    growth_tracker,
+    next_scale,
+    next_growth_tracker,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    check_only,
+    accumulate,
+):
+    return None

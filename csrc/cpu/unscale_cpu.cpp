@@ -1,0 +1,127 @@
+// CPU kernel of the unscale op family (contract: unscale.h).
+//
+// Plain loops the compiler vectorizes (the finiteness test is an integer mask on the bits, the
+// found flag an integer OR), split across at::parallel_for when the pass is large enough to pay
+// for waking the thread pool.  Arithmetic matches torch's CPU kernel: opmath float (double for
+// float64 grads), `inv == 1 ? v : v * inv`, rounded to the storage dtype.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "unscale.h"
+
+namespace ampfused {
+namespace {
+
+// Below this many bytes a single thread finishes before the pool would have started.
+constexpr int64_t kParallelMinBytes = 256 * 1024;
+// Work item for the parallel split, in bytes of gradient.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
+inline uint32_t non_finite(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u & 0x7f800000u) == 0x7f800000u;
+}
+inline uint32_t non_finite(double x) {
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+// One dense run: returns whether any input element was inf/NaN.
+template <typename T>
+bool process(T* __restrict p, int64_t n, typename OpMath<T>::type inv, bool check_only) {
+  using M = typename OpMath<T>::type;
+  uint32_t bad = 0;
+  if (check_only) {
+    for (int64_t i = 0; i < n; ++i) bad |= non_finite(static_cast<M>(p[i]));
+  } else if (inv == M(1)) {
+    // torch writes v back unscaled when inv_scale == 1 (no multiply: NaN payloads survive).
+    for (int64_t i = 0; i < n; ++i) {
+      const M v = static_cast<M>(p[i]);
+      bad |= non_finite(v);
+      p[i] = static_cast<T>(v);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const M v = static_cast<M>(p[i]);
+      bad |= non_finite(v);
+      p[i] = static_cast<T>(v * inv);
+    }
+  }
+  return bad != 0;
+}
+
+bool process_span(const Span& s, int64_t begin, int64_t end, float inv, bool check_only) {
+  const int64_t n = end - begin;
+  switch (s.dtype) {
+    case at::kFloat:
+      return process(static_cast<float*>(s.data) + begin, n, inv, check_only);
+    case at::kDouble:
+      return process(static_cast<double*>(s.data) + begin, n, static_cast<double>(inv),
+                     check_only);
+    case at::kHalf:
+      return process(static_cast<c10::Half*>(s.data) + begin, n, inv, check_only);
+    case at::kBFloat16:
+      return process(static_cast<c10::BFloat16*>(s.data) + begin, n, inv, check_only);
+    default:
+      TORCH_CHECK(false, "ampfused: unexpected dtype ", s.dtype);  // rejected by the host checks
+  }
+}
+
+struct Piece {
+  int32_t span;
+  int64_t begin;
+  int64_t end;
+};
+
+}  // namespace
+
+void launch_pass_cpu(const std::vector<Span>& spans, const PassArgs& a) {
+  const float s = *a.scale;
+  const float inv = a.scale_is_inverse ? s : static_cast<float>(1.0 / static_cast<double>(s));
+  int64_t total_bytes = 0;
+  for (const Span& sp : spans) total_bytes += sp.numel * static_cast<int64_t>(c10::elementSize(sp.dtype));
+
+  bool found = false;
+  if (total_bytes < kParallelMinBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    for (const Span& sp : spans) found |= process_span(sp, 0, sp.numel, inv, a.check_only);
+  } else {
+    // Cut every span into ~kChunkBytes pieces so threads get even shares of large and small
+    // gradients alike.
+    std::vector<Piece> pieces;
+    pieces.reserve(spans.size() + static_cast<size_t>(total_bytes / kChunkBytes) + 1);
+    for (size_t i = 0; i < spans.size(); ++i) {
+      const int64_t step = kChunkBytes / static_cast<int64_t>(c10::elementSize(spans[i].dtype));
+      for (int64_t b = 0; b < spans[i].numel; b += step) {
+        pieces.push_back({static_cast<int32_t>(i), b, std::min(spans[i].numel, b + step)});
+      }
+    }
+    std::atomic<bool> any{false};
+    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t b, int64_t e) {
+      bool local = false;
+      for (int64_t k = b; k < e; ++k) {
+        const Piece& pc = pieces[k];
+        local |= process_span(spans[pc.span], pc.begin, pc.end, inv, a.check_only);
+      }
+      if (local) any.store(true, std::memory_order_relaxed);
+    });
+    found = any.load();
+  }
+  finish_pass(found, a);
+}
+
+}  // namespace ampfused

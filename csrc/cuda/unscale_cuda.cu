@@ -1,0 +1,180 @@
+// CUDA kernel of the unscale op family (contract: unscale.h).
+//
+// One launch per call: a persistent grid walks the chunk table of multi_tensor_apply.cuh, each
+// chunk switching on its tensor's dtype (uniform across the block, so no divergence).  Inside a
+// chunk: a scalar head up to the first 16-byte boundary, 16-byte vectors with kUnroll loads in
+// flight per thread, and a scalar tail, so misaligned views still get the vector path.  The pass
+// result is reduced with __syncthreads_or per block; when found_inf must be overwritten or the
+// scale update is fused, the last block to finish (threadfence + atomic ticket) writes found_inf
+// and the pending scale/tracker, and resets the workspace.
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "cuda/multi_tensor_apply.cuh"
+#include "unscale.h"
+
+namespace ampfused {
+namespace cuda {
+namespace {
+
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
+// Bit tests: exact whatever the compiler flags, and float64 is tested in float64.
+__device__ __forceinline__ bool non_finite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool non_finite(double x) {
+  return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull) ==
+         0x7ff0000000000000ull;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, bool kCheckOnly>
+__device__ __forceinline__ bool visit(T& x, typename OpMath<T>::type inv, bool inv_is_one) {
+  using M = typename OpMath<T>::type;
+  const M v = static_cast<M>(x);
+  if (!kCheckOnly) x = static_cast<T>(inv_is_one ? v : v * inv);
+  return non_finite(v);
+}
+
+template <typename T, bool kCheckOnly>
+__device__ bool process_chunk(T* p, int64_t n, typename OpMath<T>::type inv, bool inv_is_one) {
+  constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
+  using V = Vec<T, kVec>;
+  bool bad = false;
+  // Chunks start at multiples of kChunkSize elements, so a chunk is as aligned as its tensor;
+  // peel the elements before the first 16-byte boundary.
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  int64_t head = static_cast<int64_t>(((kVecBytes - addr % kVecBytes) % kVecBytes) / sizeof(T));
+  if (addr % sizeof(T) != 0 || head > n) head = n;
+  const int64_t nvec = (n - head) / kVec;
+  const int64_t tail = head + nvec * kVec;
+  const int64_t tid = threadIdx.x;
+  const int64_t stride = blockDim.x;
+
+  for (int64_t i = tid; i < head; i += stride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+
+  V* vp = reinterpret_cast<V*>(p + head);
+  for (int64_t base = tid; base < nvec; base += stride * kUnroll) {
+    V r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < nvec) r[u] = vp[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < nvec) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) bad |= visit<T, kCheckOnly>(r[u].v[k], inv, inv_is_one);
+        if (!kCheckOnly) vp[i] = r[u];
+      }
+    }
+  }
+
+  for (int64_t i = tail + tid; i < n; i += stride) {
+    bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+  }
+  return bad;
+}
+
+struct KernelArgs {
+  MetaTable table;
+  PassArgs pass;
+  bool last_block_finishes;  // overwrite found_inf and/or fused update: needs the whole grid
+};
+
+template <bool kCheckOnly>
+__global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
+  const float s = *k.pass.scale;
+  const float inv = k.pass.scale_is_inverse ? s : static_cast<float>(1.0 / static_cast<double>(s));
+  const bool inv_is_one = inv == 1.0f;
+  bool bad = false;
+  for (int64_t c = blockIdx.x; c < k.table.num_chunks; c += gridDim.x) {
+    const ChunkMeta cm = k.table.chunks[c];
+    const TensorMeta tm = k.table.tensors[cm.tensor];
+    const int64_t start = static_cast<int64_t>(cm.chunk) * kChunkSize;
+    const int64_t n = min(kChunkSize, tm.numel - start);
+    switch (static_cast<c10::ScalarType>(tm.dtype)) {
+      case c10::ScalarType::Float:
+        bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(tm.data) + start, n, inv,
+                                                inv_is_one);
+        break;
+      case c10::ScalarType::Half:
+        bad |= process_chunk<c10::Half, kCheckOnly>(static_cast<c10::Half*>(tm.data) + start, n,
+                                                    inv, inv_is_one);
+        break;
+      case c10::ScalarType::BFloat16:
+        bad |= process_chunk<c10::BFloat16, kCheckOnly>(
+            static_cast<c10::BFloat16*>(tm.data) + start, n, inv, inv_is_one);
+        break;
+      case c10::ScalarType::Double:
+        bad |= process_chunk<double, kCheckOnly>(static_cast<double*>(tm.data) + start, n,
+                                                 static_cast<double>(inv), inv_is_one);
+        break;
+      default:
+        break;  // rejected on the host
+    }
+  }
+  bad = __syncthreads_or(bad);
+
+  if (!k.last_block_finishes) {
+    // torch's contract (set, never clear): every writer stores 1.0, so the race is benign.
+    if (bad && threadIdx.x == 0) *k.pass.found_inf = 1.0f;
+    return;
+  }
+  __shared__ bool is_last;
+  int* ws = k.table.workspace;
+  if (threadIdx.x == 0) {
+    if (bad) atomicOr(&ws[0], 1);
+    __threadfence();  // publish this block's flag before it counts as finished
+    const unsigned int done = atomicAdd(reinterpret_cast<unsigned int*>(&ws[1]), 1u);
+    is_last = (done == gridDim.x - 1);
+  }
+  __syncthreads();
+  if (is_last && threadIdx.x == 0) {
+    __threadfence();
+    const bool found = atomicExch(&ws[0], 0) != 0;
+    ws[1] = 0;  // leave the workspace zeroed for the next launch on this stream
+    finish_pass(found, k.pass);
+  }
+}
+
+int max_resident_blocks(int device) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  return prop->multiProcessorCount * std::max(1, prop->maxThreadsPerMultiProcessor / kBlockSize);
+}
+
+}  // namespace
+}  // namespace cuda
+
+void launch_pass_cuda(const std::vector<Span>& spans, const PassArgs& args,
+                      const at::Tensor& any_device_tensor) {
+  const c10::cuda::CUDAGuard guard(any_device_tensor.device());
+  const cuda::MetaTable table = cuda::get_meta_table(spans, any_device_tensor);
+  cuda::KernelArgs k{table, args, args.overwrite_found_inf || args.with_update};
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(table.num_chunks, cuda::max_resident_blocks(any_device_tensor.get_device())));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  if (args.check_only) {
+    cuda::unscale_kernel<true><<<static_cast<unsigned>(blocks), cuda::kBlockSize, 0, stream>>>(k);
+  } else {
+    cuda::unscale_kernel<false><<<static_cast<unsigned>(blocks), cuda::kBlockSize, 0, stream>>>(k);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace ampfused

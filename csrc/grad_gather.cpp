@@ -1,0 +1,209 @@
+// GradScaler's per-step walk over optimizer.param_groups, in C++.
+//
+// torch's _unscale_grads_ loops over every parameter in Python (about 1 us each).  This does the
+// same walk - skip None grads, refuse float16 unless allowed, coalesce float16 sparse grads,
+// take sparse ._values(), group by device - at tens of nanoseconds per parameter, then calls the
+// ops with the gathered lists directly, so no per-parameter Python object is created either.
+// Gradients that are tensor subclasses (DTensor, ...) make it return None: the caller then
+// takes torch's Python path, which dispatches through the subclass.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace ampfused {
+namespace {
+
+struct DeviceGrads {
+  at::Device device;
+  std::vector<at::Tensor> grads;
+};
+
+[[noreturn]] void raise(PyObject* type, const std::string& msg) {
+  PyErr_SetString(type, msg.c_str());
+  throw py::error_already_set();
+}
+
+std::string where(size_t group, size_t index) {
+  return "optimizer.param_groups[" + std::to_string(group) + "]['params'][" +
+         std::to_string(index) + "]";
+}
+
+// Returns std::nullopt when some gradient needs torch's Python path (a tensor subclass).
+std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool allow_fp16) {
+  std::vector<DeviceGrads> out;
+  py::sequence groups = py::reinterpret_borrow<py::sequence>(param_groups);
+  const size_t ngroups = groups.size();
+  for (size_t gi = 0; gi < ngroups; ++gi) {
+    py::object group = groups[gi];
+    py::object params_obj = group["params"];
+    PyObject* seq = PySequence_Fast(params_obj.ptr(), "param_groups[i]['params'] must be a list");
+    if (seq == nullptr) throw py::error_already_set();
+    py::object seq_guard = py::reinterpret_steal<py::object>(seq);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* obj = items[i];
+      if (!THPVariable_Check(obj)) {
+        raise(PyExc_AssertionError, "expected param to be torch.Tensor, got " +
+                                        std::string(Py_TYPE(obj)->tp_name) + " at " +
+                                        where(gi, i));
+      }
+      const at::Tensor& param = THPVariable_Unpack(obj);
+      const at::Tensor& grad = param.grad();
+      if (!grad.defined()) continue;
+      if (grad.unsafeGetTensorImpl()->is_python_dispatch()) return std::nullopt;
+      const auto dtype = grad.scalar_type();
+      if (dtype == at::kHalf && !allow_fp16) {
+        raise(PyExc_ValueError,
+              "Attempting to unscale FP16 gradients. " + where(gi, i) +
+                  " has a float16 .grad: GradScaler unscales float32 master gradients. Keep the "
+                  "parameters in float32 and let torch.autocast run float16 math (do not call "
+                  "model.half()).");
+      }
+      if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+            dtype == at::kDouble)) {
+        raise(PyExc_TypeError, where(gi, i) + ".grad has dtype " +
+                                   std::string(c10::toString(dtype)) +
+                                   "; GradScaler can unscale float16, bfloat16, float32 and "
+                                   "float64 gradients only");
+      }
+      at::Tensor to_unscale;
+      if (grad.layout() == at::kSparse) {
+        if (dtype == at::kHalf) {
+          // As torch does: duplicates of a float16 sparse grad may only overflow once summed.
+          at::Tensor coalesced = grad.coalesce();
+          const_cast<at::Tensor&>(param).mutable_grad() = coalesced;
+          to_unscale = coalesced._values();
+        } else {
+          to_unscale = grad._values();
+        }
+      } else if (grad.layout() == at::kStrided) {
+        to_unscale = grad;
+      } else {
+        raise(PyExc_TypeError, where(gi, i) + ".grad has layout " +
+                                   std::string(c10::toString(grad.layout())) +
+                                   "; GradScaler unscales dense (strided) and sparse COO gradients");
+      }
+      const at::Device dev = to_unscale.device();
+      // Devices without an ampfused kernel (mps, xpu, ...) take torch's own path.
+      if (!(dev.is_cpu() || dev.is_cuda())) return std::nullopt;
+      DeviceGrads* slot = nullptr;
+      for (auto& d : out) {
+        if (d.device == dev) slot = &d;
+      }
+      if (slot == nullptr) {
+        out.push_back({dev, {}});
+        slot = &out.back();
+      }
+      slot->grads.push_back(std::move(to_unscale));
+    }
+  }
+  return out;
+}
+
+const c10::TypedOperatorHandle<void(at::TensorList, const at::Tensor&, const at::Tensor&)>&
+unscale_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ampfused::non_finite_check_and_unscale_", "")
+                       .typed<void(at::TensorList, const at::Tensor&, const at::Tensor&)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<void(at::TensorList, const at::Tensor&)>& check_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ampfused::non_finite_check_", "")
+                       .typed<void(at::TensorList, const at::Tensor&)>();
+  return op;
+}
+
+using FusedSig = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
+const c10::TypedOperatorHandle<FusedSig>& fused_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ampfused::unscale_update_scale_", "")
+                       .typed<FusedSig>();
+  return op;
+}
+
+using Found = std::vector<std::pair<at::Device, at::Tensor>>;
+
+// GradScaler.unscale_ / _check_inf_per_device: the fused pass on the scale's device (found_inf
+// overwritten, pending scale/tracker computed), the plain op on any other device.
+std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale,
+                                const at::Tensor& growth_tracker, const at::Tensor& next_scale,
+                                const at::Tensor& next_growth_tracker, double growth_factor,
+                                double backoff_factor, int64_t growth_interval, bool check_only,
+                                bool accumulate, bool allow_fp16) {
+  auto groups = collect(param_groups, allow_fp16);
+  if (!groups) return std::nullopt;
+  py::gil_scoped_release no_gil;
+  const at::NoGradGuard no_grad;
+  Found found;
+  at::Tensor inv_scale;  // for other devices, made on first need
+  for (auto& g : *groups) {
+    if (g.device == scale.device()) {
+      at::Tensor f = at::empty({}, scale.options());
+      fused_op().call(g.grads, f, scale, growth_tracker, next_scale, next_growth_tracker,
+                      growth_factor, backoff_factor, growth_interval, check_only, accumulate);
+      found.emplace_back(g.device, f);
+      continue;
+    }
+    at::Tensor f = at::zeros({}, scale.options().device(g.device));
+    if (check_only) {
+      check_op().call(g.grads, f);
+    } else {
+      if (!inv_scale.defined()) inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
+      unscale_op().call(g.grads, f, inv_scale.to(g.device, /*non_blocking=*/true));
+    }
+    found.emplace_back(g.device, f);
+  }
+  return found;
+}
+
+// GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): torch's contract
+// (found_inf is OR-ed into; copies of inv_scale/found_inf serve other devices).
+std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& inv_scale,
+                                   const at::Tensor& found_inf, bool allow_fp16) {
+  auto groups = collect(param_groups, allow_fp16);
+  if (!groups) return std::nullopt;
+  py::gil_scoped_release no_gil;
+  const at::NoGradGuard no_grad;
+  Found found;
+  for (auto& g : *groups) {
+    // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so the
+    // caller's tensor is only an initial value.
+    at::Tensor f = found_inf.to(g.device, /*non_blocking=*/true, /*copy=*/true);
+    at::Tensor inv = g.device == inv_scale.device()
+                         ? inv_scale
+                         : inv_scale.to(g.device, /*non_blocking=*/true, /*copy=*/true);
+    unscale_op().call(g.grads, f, inv);
+    found.emplace_back(g.device, f);
+  }
+  return found;
+}
+
+}  // namespace
+}  // namespace ampfused
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ampfused compiled core: ops are registered under torch.ops.ampfused";
+  m.def("fused_pass", &ampfused::fused_pass, py::arg("param_groups"), py::arg("scale"),
+        py::arg("growth_tracker"), py::arg("next_scale"), py::arg("next_growth_tracker"),
+        py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
+        py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"));
+  m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
+        py::arg("found_inf"), py::arg("allow_fp16"));
+#ifdef AMPFUSED_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -53,6 +53,8 @@ template <typename T, bool kCheckOnly>
 __device__ bool process_chunk(T* p, int64_t n, typename OpMath<T>::type inv, bool inv_is_one) {
   constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
   using V = Vec<T, kVec>;
+  // Table pointers reach us as void*: without this the compiler emits generic LD/ST.
+  __builtin_assume(__isGlobal(p));
   bool bad = false;
   // Chunks start at multiples of kChunkSize elements, so a chunk is as aligned as its tensor;
   // peel the elements before the first 16-byte boundary.
@@ -153,9 +155,19 @@ __global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
   }
 }
 
-int max_resident_blocks(int device) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
-  return prop->multiProcessorCount * std::max(1, prop->maxThreadsPerMultiProcessor / kBlockSize);
+// Blocks of this kernel that fit on the device at once (it needs ~128 registers per thread, so
+// usually one 512-thread block per SM): the persistent grid never runs in waves.
+template <bool kCheckOnly>
+int64_t resident_blocks(int device) {
+  static int cached[64] = {0};  // per device; a racing first call computes the same value
+  int& n = cached[device % 64];
+  if (n == 0) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, unscale_kernel<kCheckOnly>, kBlockSize, 0));
+    n = at::cuda::getDeviceProperties(device)->multiProcessorCount * std::max(1, per_sm);
+  }
+  return n;
 }
 
 }  // namespace
@@ -166,13 +178,18 @@ void launch_pass_cuda(const std::vector<Span>& spans, const PassArgs& args,
   const c10::cuda::CUDAGuard guard(any_device_tensor.device());
   const cuda::MetaTable table = cuda::get_meta_table(spans, any_device_tensor);
   cuda::KernelArgs k{table, args, args.overwrite_found_inf || args.with_update};
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(table.num_chunks, cuda::max_resident_blocks(any_device_tensor.get_device())));
+  const int device = any_device_tensor.get_device();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  // At least one block: the epilogue runs even for an empty list.
+  const auto grid = [&](int64_t resident) {
+    return static_cast<unsigned>(std::max<int64_t>(1, std::min(table.num_chunks, resident)));
+  };
   if (args.check_only) {
-    cuda::unscale_kernel<true><<<static_cast<unsigned>(blocks), cuda::kBlockSize, 0, stream>>>(k);
+    cuda::unscale_kernel<true>
+        <<<grid(cuda::resident_blocks<true>(device)), cuda::kBlockSize, 0, stream>>>(k);
   } else {
-    cuda::unscale_kernel<false><<<static_cast<unsigned>(blocks), cuda::kBlockSize, 0, stream>>>(k);
+    cuda::unscale_kernel<false>
+        <<<grid(cuda::resident_blocks<false>(device)), cuda::kBlockSize, 0, stream>>>(k);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -52,8 +52,8 @@ def update_rule(
     successful = growth_tracker + 1
     if successful == growth_interval:
         grown = f32(scale * growth_factor)
-        return (grown if abs(grown) != float("inf") and grown == grown else scale), 0
-    return scale, successful
+        return (grown if abs(grown) != float("inf") and grown == grown else f32(scale)), 0
+    return f32(scale), successful
 
 
 def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:

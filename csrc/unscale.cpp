@@ -196,3 +196,16 @@ TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
   m.impl("non_finite_check_", &ampfused::non_finite_check_);
   m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);
 }
+
+// A sparse argument routes the call to a sparse dispatch key; the same wrappers run there so
+// their layout checks reject it with a message that names the argument.
+#define AMPFUSED_REJECT_LAYOUT(KEY)                                                        \
+  TORCH_LIBRARY_IMPL(ampfused, KEY, m) {                                                   \
+    m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_);     \
+    m.impl("non_finite_check_", &ampfused::non_finite_check_);                             \
+    m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);                     \
+  }
+AMPFUSED_REJECT_LAYOUT(SparseCPU)
+AMPFUSED_REJECT_LAYOUT(SparseCUDA)
+AMPFUSED_REJECT_LAYOUT(SparseCsrCPU)
+AMPFUSED_REJECT_LAYOUT(SparseCsrCUDA)

@@ -152,6 +152,10 @@ class GradScaler(torch.amp.GradScaler):
         assert scale is not None and tracker is not None
         if scale.device.type not in _KERNEL_DEVICES:
             return None
+        if type(self)._unscale_grads_ is not GradScaler._unscale_grads_:
+            # A subclass hooks the unscale (e.g. to all-reduce found_inf, as sharded scalers
+            # do): torch's unscale_/_check_inf_per_device call it, so take that path.
+            return None
         next_scale, next_tracker = self._pending_buffers(scale.device)
         pending = self._pending
         result = _C.fused_pass(
@@ -290,9 +294,12 @@ class GradScaler(torch.amp.GradScaler):
                 self._check_inf_per_device(optimizer)
             scale = self._get_scale_async()
             assert scale is not None
+            # The optimizer gets fresh tensors, as torch's sum([...]) and scale * 1 give it: what
+            # it does to them cannot reach this iteration's found_inf or the scale.  A copy is
+            # the same value without an arithmetic kernel.
             found = list(optimizer_state["found_inf_per_device"].values())
             if len(found) == 1 and found[0].device == scale.device:
-                found_inf = found[0]  # torch passes sum([t]) == 0 + t: the same value
+                found_inf = found[0].clone()
             else:
                 found_inf = sum(t.to(scale.device, non_blocking=True) for t in found)
             existing = getattr(optimizer, "grad_scale", None)
@@ -300,7 +307,7 @@ class GradScaler(torch.amp.GradScaler):
                 optimizer.grad_scale = existing  # type: ignore[attr-defined]
             else:
                 optimizer.grad_scale = (  # type: ignore[attr-defined]
-                    scale if existing is None else scale * existing
+                    scale.clone() if existing is None else scale * existing
                 )
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         retval = optimizer.step(*args, **kwargs)

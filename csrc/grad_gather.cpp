@@ -70,10 +70,12 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       }
       if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
             dtype == at::kDouble)) {
-        raise(PyExc_TypeError, where(gi, i) + ".grad has dtype " +
-                                   std::string(c10::toString(dtype)) +
-                                   "; GradScaler can unscale float16, bfloat16, float32 and "
-                                   "float64 gradients only");
+        // NotImplementedError, as torch's kernel dispatch raises for these dtypes.
+        raise(PyExc_NotImplementedError,
+              "unscaling " + std::string(c10::toString(dtype)) + " gradients is not implemented: " +
+                  where(gi, i) +
+                  ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 and "
+                  "float64 gradients only");
       }
       at::Tensor to_unscale;
       if (grad.layout() == at::kSparse) {

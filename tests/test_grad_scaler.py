@@ -1,0 +1,1375 @@
+"""Step-for-step parity of ``ampfused.GradScaler`` with ``torch.amp.GradScaler``, bit for bit.
+
+Every test builds the same models and optimizers twice (same seed), gives one copy torch's
+scaler and the other ampfused's, feeds both the same data and runs them side by side.  After
+every iteration it compares, bit for bit: every parameter, every gradient (after step, so
+unscaled inf/NaN gradients of skipped steps included), every optimizer-state tensor, the scale
+and growth tracker, the state_dict, and whatever the iteration observed between step() and
+update() (get_scale(), _scale, found_inf_per_device, the grad_scale/found_inf handed to fused
+optimizers, step()'s return value).  The oracle is torch's scaler itself, run in this process.
+
+Overflows happen naturally (float16 autocast with an init_scale far too large, so the first
+steps back off and a growth_interval of 2-3 lets the scale grow back into overflow) and are
+also injected (inf and NaN written into chosen gradients in chosen iterations).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import math
+import pickle
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampfused
+import ampfused.grad_scaler
+
+TorchScaler = torch.amp.GradScaler
+FusedScaler = ampfused.GradScaler
+SCALERS = (TorchScaler, FusedScaler)
+# torch warns once per process that it does not check sparse invariants by default
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
+
+VOCAB, D_IN, D_HID, D_OUT, BATCH = 20, 16, 32, 8, 8
+ITERS = 10
+# init_scale 2**20 with float16 autocast: the first steps overflow and back off, then the scale
+# grows every growth_interval clean steps until it overflows again.
+SCALER_KW: dict[str, Any] = {"init_scale": 2.0**20, "growth_interval": 2}
+INF_ITER, NAN_ITER = 3, 8  # iterations that get an injected inf / NaN gradient
+
+
+# ------------------------------------------------------------------------------- comparison
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a dense tensor (so NaN == NaN with the same payload, and -0.0 != 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a: Any, b: Any, path: str = "value") -> None:
+    """Bitwise equality of (nested dicts/lists/tuples of) tensors and Python values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (
+            f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        )
+        meta_a = (a.dtype, tuple(a.shape), a.layout, a.device)
+        meta_b = (b.dtype, tuple(b.shape), b.layout, b.device)
+        assert meta_a == meta_b, f"{path}: {meta_a} vs {meta_b}"
+        if a.is_sparse:
+            assert a.is_coalesced() == b.is_coalesced(), f"{path}: is_coalesced differs"
+            assert_same(a._indices(), b._indices(), f"{path}._indices()")
+            assert_same(a._values(), b._values(), f"{path}._values()")
+            return
+        assert torch.equal(_bits(a), _bits(b)), f"{path} differs:\n torch: {a}\n ampfused: {b}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), (
+            f"{path}: keys {list(a)} vs {list(b) if isinstance(b, dict) else b!r}"
+        )
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), f"{path}: nan vs {b!r}"
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} vs {b!r}"
+
+
+# ------------------------------------------------------------------------------- harness
+@dataclass
+class Side:
+    """One side of a parity run: models, optimizers and a scaler, built from the same seed."""
+
+    scaler: torch.amp.GradScaler
+    models: list[nn.Module]
+    opts: list[torch.optim.Optimizer]
+    device: str
+    log: list[Any] = field(default_factory=list)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.models[0]
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.opts[0]
+
+
+Build = Callable[[str], tuple[list[nn.Module], list[torch.optim.Optimizer]]]
+
+
+def make_sides(device: str, build: Build, classes=SCALERS, **scaler_kw: Any) -> list[Side]:
+    sides = []
+    for cls in classes:
+        torch.manual_seed(0)
+        models, opts = build(device)
+        sides.append(Side(cls(device, **scaler_kw), models, opts, device))
+    return sides
+
+
+def scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    return {
+        "_scale": getattr(scaler, "_scale", None),
+        "_growth_tracker": getattr(scaler, "_growth_tracker", None),
+        "state_dict": scaler.state_dict(),
+        "is_enabled": scaler.is_enabled(),
+    }
+
+
+def snapshot(side: Side) -> dict[str, Any]:
+    params = [p for m in side.models for p in m.parameters()]
+    opt_state = []
+    for opt in side.opts:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                opt_state.append(dict(opt.state.get(p, {})))
+    return {
+        "params": params,
+        "grads": [p.grad for p in params],
+        "optimizer_state": opt_state,
+        "scaler": scaler_state(side.scaler),
+    }
+
+
+def compare_sides(sides: list[Side], where: str) -> None:
+    ref = snapshot(sides[0])
+    for side in sides[1:]:
+        assert_same(ref, snapshot(side), f"{where}, {type(side.scaler).__module__}")
+
+
+StepFn = Callable[[Side, int], Any]
+
+
+def lockstep(sides: list[Side], train_step: StepFn, iters: range | int = ITERS) -> list[Any]:
+    """Runs train_step(side, i) for every side, comparing everything after each iteration.
+    Returns what train_step returned on the first side, iteration by iteration."""
+    history = []
+    for i in range(iters) if isinstance(iters, int) else iters:
+        outs = [train_step(side, i) for side in sides]
+        for side, out in zip(sides[1:], outs[1:], strict=True):
+            assert_same(outs[0], out, f"iteration {i}: train_step of {type(side.scaler)}")
+        compare_sides(sides, f"after iteration {i}")
+        history.append(outs[0])
+    return history
+
+
+def batch(i: int, device: str, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(n, D_IN, generator=g)
+    idx = torch.randint(0, VOCAB, (n,), generator=g)
+    y = torch.randn(n, D_OUT, generator=g)
+    return x.to(device), idx.to(device), y.to(device)
+
+
+class Net(nn.Module):
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D_IN, sparse=sparse)
+        self.fc1 = nn.Linear(D_IN, D_HID)
+        self.fc2 = nn.Linear(D_HID, D_HID)
+        self.head = nn.Linear(D_HID, D_OUT)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        h = x + self.emb(idx)
+        h = F.relu(self.fc1(h))
+        h = F.relu(self.fc2(h))
+        return self.head(h)
+
+
+def forward_loss(model: nn.Module, i: int, device: str, dtype=torch.float16, scale=1.0):
+    x, idx, y = batch(i, device)
+    with torch.autocast(device_type=device, dtype=dtype):
+        out = model(x * scale, idx)
+    return F.mse_loss(out.float(), y)
+
+
+def inject_specials(model: nn.Module, i: int) -> None:
+    """An inf in one weight gradient in INF_ITER, a NaN in the last gradient in NAN_ITER."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not p.grad.is_sparse]
+    with torch.no_grad():
+        if i == INF_ITER:
+            grads[1].view(-1)[3] = float("inf")
+        if i == NAN_ITER:
+            grads[-1].view(-1)[-1] = float("nan")
+
+
+def found_infs(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> float:
+    return sum(float(v) for v in scaler._found_inf_per_device(opt).values())
+
+
+def mid_iteration(scaler: torch.amp.GradScaler, opts: list[torch.optim.Optimizer]) -> dict:
+    """What a user can observe between step() and update()."""
+    return {
+        "get_scale": scaler.get_scale(),
+        "_scale": scaler._scale.clone(),
+        "_growth_tracker": scaler._growth_tracker.clone(),
+        # cloned: torch's update() sums the found_inf tensors into the first one, in place
+        "found_inf_per_device": [
+            {dev: f.clone() for dev, f in scaler._found_inf_per_device(o).items()} for o in opts
+        ],
+        "stage": [scaler._per_optimizer_states[id(o)]["stage"] for o in opts],
+        "fused_attrs_left": [hasattr(o, "grad_scale") or hasattr(o, "found_inf") for o in opts],
+    }
+
+
+def spy_step(opt: torch.optim.Optimizer) -> list[dict]:
+    """Records what optimizer.step() sees of the fused-optimizer protocol (grad_scale and
+    found_inf attributes), by value.  Remove with `del opt.step`."""
+    seen: list[dict] = []
+    inner = opt.step
+
+    def step(*args, **kwargs):
+        rec = {}
+        for name in ("grad_scale", "found_inf"):
+            v = getattr(opt, name, "absent")
+            rec[name] = v.clone() if isinstance(v, torch.Tensor) else v
+        seen.append(rec)
+        return inner(*args, **kwargs)
+
+    opt.step = step  # type: ignore[method-assign]
+    return seen
+
+
+def scaler_step(scaler, opt, *args, **kwargs) -> tuple[Any, list[dict]]:
+    seen = spy_step(opt)
+    try:
+        ret = scaler.step(opt, *args, **kwargs)
+    finally:
+        del opt.step
+    return ret, seen
+
+
+def make_train_step(
+    dtype=torch.float16,
+    *,
+    inject: bool = True,
+    unscale_first: bool = False,
+    set_to_none: bool = True,
+    between: Callable[[Side, int], Any] | None = None,
+) -> StepFn:
+    """The canonical AMP iteration on side.model/side.opt; `between(side, i)` runs between
+    step() and update()."""
+
+    def train_step(side: Side, i: int) -> dict:
+        model, opt, scaler = side.model, side.opt, side.scaler
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = forward_loss(model, i, side.device, dtype)
+        scaler.scale(loss).backward()
+        if inject:
+            inject_specials(model, i)
+        if unscale_first:
+            scaler.unscale_(opt)
+        ret, seen = scaler_step(scaler, opt)
+        out = {"loss": loss.detach(), "step_returned": ret, "seen_by_step": seen}
+        out["mid"] = mid_iteration(scaler, [opt])
+        out["found"] = found_infs(scaler, opt)
+        if between is not None:
+            out["between"] = between(side, i)
+        scaler.update()
+        out["scale_after_update"] = scaler.get_scale()
+        return out
+
+    return train_step
+
+
+def assert_exercised_skip_and_growth(history: list[dict], natural_overflow: bool) -> None:
+    """Guards against a parity test that compares nothing interesting."""
+    found = [h["found"] for h in history]
+    assert found[INF_ITER] and found[NAN_ITER], "injected specials were not detected"
+    if natural_overflow:
+        natural = [f for i, f in enumerate(found) if i not in (INF_ITER, NAN_ITER)]
+        assert any(natural), "no natural float16 overflow happened"
+    scales = [h["mid"]["get_scale"] for h in history] + [history[-1]["scale_after_update"]]
+    steps = list(zip(scales[:-1], scales[1:], strict=True))
+    assert any(b > a for a, b in steps), f"the scale never grew: {scales}"
+    assert any(b < a for a, b in steps), f"the scale never backed off: {scales}"
+
+
+def _sgd_momentum(params, **kw) -> torch.optim.SGD:
+    # torch's fused SGD allocates momentum buffers with empty_like on its first step and leaves
+    # them uninitialized when that step is skipped for inf/NaN (with either scaler), so both sides
+    # would train on garbage.  Zero buffers up front give the same math and defined memory.
+    params = list(params)
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, **kw)
+    for p in params:
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return opt
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": _sgd_momentum,
+    "adam": lambda params, **kw: torch.optim.Adam(params, lr=1e-2, **kw),
+    "adamw": lambda params, **kw: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+}
+IMPLS: dict[str, dict[str, bool]] = {
+    "forloop": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
+
+
+def build_net(opt_name: str = "sgd", impl: str = "forloop", sparse: bool = False) -> Build:
+    def build(device: str):
+        model = Net(sparse=sparse).to(device)
+        return [model], [OPTIMIZERS[opt_name](model.parameters(), **IMPLS[impl])]
+
+    return build
+
+
+# ------------------------------------------------------------------------------- identity
+def test_is_a_torch_grad_scaler():
+    s = FusedScaler("cpu")
+    assert isinstance(s, torch.amp.GradScaler)
+    assert issubclass(FusedScaler, torch.amp.GradScaler)
+    sig_t = inspect.signature(TorchScaler.__init__).parameters
+    sig_a = inspect.signature(FusedScaler.__init__).parameters
+    assert [(p.name, p.default, p.kind) for p in sig_t.values()] == [
+        (p.name, p.default, p.kind) for p in sig_a.values()
+    ]
+    assert ampfused.grad_scaler.OptState is torch.amp.grad_scaler.OptState
+
+
+# ------------------------------------------------------------------------------- optimizers
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_optimizer_parity(device, opt_name, impl, dtype):
+    sides = make_sides(device, build_net(opt_name, impl), **SCALER_KW)
+    if impl == "fused":
+        assert sides[0].opt._step_supports_amp_scaling
+    history = lockstep(sides, make_train_step(dtype))
+    assert_exercised_skip_and_growth(history, natural_overflow=dtype == torch.float16)
+    for h in history:
+        seen = h["seen_by_step"]
+        assert h["mid"]["fused_attrs_left"] == [False]  # deleted after step, as torch does
+        if impl == "fused":
+            # the read-only check path: the optimizer got the scale and found_inf, and ran
+            assert len(seen) == 1 and isinstance(seen[0]["grad_scale"], torch.Tensor)
+            assert seen[0]["found_inf"].item() == h["found"]
+        else:
+            assert len(seen) == (0 if h["found"] else 1)
+
+
+@pytest.mark.parametrize("impl", ["forloop", "fused"])
+def test_unscale_then_step_parity(device, impl):
+    # unscale_ explicitly before step: ordinary optimizers skip their own unscale; fused ones get
+    # grad_scale=None and the found_inf of unscale_.
+    sides = make_sides(device, build_net("adam", impl), **SCALER_KW)
+    history = lockstep(sides, make_train_step(unscale_first=True))
+    assert_exercised_skip_and_growth(history, natural_overflow=True)
+    if impl == "fused":
+        assert all(h["seen_by_step"][0]["grad_scale"] is None for h in history)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zero_fill"])
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_zero_grad_modes(device, impl, set_to_none):
+    sides = make_sides(device, build_net("adamw", impl), **SCALER_KW)
+    lockstep(sides, make_train_step(set_to_none=set_to_none))
+
+
+def test_gradient_accumulation(device):
+    micro = 3
+
+    def train_step(side: Side, i: int) -> dict:
+        side.opt.zero_grad()
+        losses = []
+        for k in range(micro):
+            loss = forward_loss(side.model, micro * i + k, side.device) / micro
+            side.scaler.scale(loss).backward()
+            losses.append(loss.detach())
+            if i == 2 and k == 0:  # an overflow in an early micro-batch survives accumulation
+                with torch.no_grad():
+                    side.model.fc1.weight.grad[0, 0] = float("inf")
+        ret, seen = scaler_step(side.scaler, side.opt)
+        out = {"losses": losses, "ret": ret, "mid": mid_iteration(side.scaler, side.opts)}
+        side.scaler.update()
+        return out
+
+    sides = make_sides(device, build_net("sgd", "foreach"), init_scale=2.0**18, growth_interval=2)
+    history = lockstep(sides, train_step, 8)
+    assert sum(found_from(h) for h in history) >= 1
+
+
+def found_from(h: dict) -> float:
+    return sum(float(v) for d in h["mid"]["found_inf_per_device"] for v in d.values())
+
+
+@pytest.mark.parametrize("impl", ["forloop", "foreach", "fused"])
+def test_unscale_clip_step(device, impl):
+    def train_step(side: Side, i: int) -> dict:
+        side.opt.zero_grad()
+        loss = forward_loss(side.model, i, side.device)
+        side.scaler.scale(loss).backward()
+        inject_specials(side.model, i)
+        side.scaler.unscale_(side.opt)
+        norm = nn.utils.clip_grad_norm_(side.model.parameters(), max_norm=0.5, foreach=True)
+        ret, seen = scaler_step(side.scaler, side.opt)
+        out = {
+            "norm": norm,
+            "ret": ret,
+            "seen": seen,
+            "mid": mid_iteration(side.scaler, [side.opt]),
+        }
+        side.scaler.update()
+        return out
+
+    sides = make_sides(device, build_net("sgd", impl), **SCALER_KW)
+    history = lockstep(sides, train_step)
+    assert any(not math.isfinite(h["norm"].item()) for h in history)
+    assert any(math.isfinite(h["norm"].item()) for h in history)
+
+
+def build_three(device: str):
+    m0, m1, m2 = (Net().to(device) for _ in range(3))
+    opts = [
+        torch.optim.SGD(m0.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.Adam(m1.parameters(), lr=1e-2, foreach=True),
+        torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True),
+    ]
+    return [m0, m1, m2], opts
+
+
+def multi_step(hook: Callable[[Side, int], None] | None = None) -> StepFn:
+    """Three models, three optimizers (for-loop, foreach, fused), two losses on one scaler.
+    Single models overflow in some iterations (model 1 in iteration 1, model 2, whose fused
+    optimizer is unscaled first, in iteration 4): torch steps the other optimizers, skips that
+    one, and backs the scale off.  hook(side, i) runs between the first two steps."""
+
+    def train_step(side: Side, i: int) -> dict:
+        m0, m1, m2 = side.models
+        for o in side.opts:
+            o.zero_grad()
+        x, idx, y = batch(i, side.device)
+        with torch.autocast(device_type=side.device, dtype=torch.float16):
+            o0, o1, o2 = m0(x, idx), m1(x, idx), m2(x, idx)
+            loss0 = F.mse_loss((0.3 * o0 + 0.7 * o1).float(), y)
+            loss1 = F.mse_loss((0.6 * o0 - 0.4 * o2).float(), y)
+        side.scaler.scale(loss0).backward(retain_graph=True)
+        side.scaler.scale(loss1).backward()
+        with torch.no_grad():
+            if i == 1:  # the middle optimizer's pass finds it
+                m1.fc2.weight.grad[1, 1] = float("inf")
+            if i == 4:  # the first pass finds it, the later passes must not erase it
+                m2.head.bias.grad[0] = float("nan")
+        side.scaler.unscale_(side.opts[2])  # one separately unscaled, fused optimizer
+        rets = [scaler_step(side.scaler, side.opts[0])]
+        if hook is not None:
+            hook(side, i)
+        rets += [scaler_step(side.scaler, o) for o in side.opts[1:]]
+        out = {"rets": rets, "mid": mid_iteration(side.scaler, side.opts)}
+        out["found"] = [found_infs(side.scaler, o) for o in side.opts]
+        side.scaler.update()
+        return out
+
+    return train_step
+
+
+def test_multiple_models_optimizers_losses(device):
+    sides = make_sides(device, build_three, init_scale=2.0**12, growth_interval=2)
+    history = lockstep(sides, multi_step(), 7)
+    # exactly one optimizer overflowed (the others stepped), in the middle and the first pass
+    assert history[1]["found"] == [0.0, 1.0, 0.0]
+    assert history[4]["found"] == [0.0, 0.0, 1.0]
+
+
+def test_gradient_penalty(device):
+    # torch's AMP example: autograd.grad on the scaled loss with create_graph, unscale by hand,
+    # add the gradient norm to the loss, then the usual scaled backward.
+    def train_step(side: Side, i: int) -> dict:
+        model, opt, scaler = side.model, side.opt, side.scaler
+        opt.zero_grad()
+        x, idx, y = batch(i, side.device)
+        with torch.autocast(device_type=side.device, dtype=torch.float16):
+            out = model(x, idx)
+            loss = F.mse_loss(out.float(), y)
+        params = list(model.parameters())
+        scaled = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+        inv_scale = 1.0 / scaler.get_scale()
+        with torch.autocast(device_type=side.device, dtype=torch.float16):
+            penalty = sum(((g * inv_scale) ** 2).sum() for g in scaled).sqrt()
+            loss = loss + penalty
+        scaler.scale(loss).backward()
+        inject_specials(model, i)
+        ret, seen = scaler_step(scaler, opt)
+        res = {"loss": loss.detach(), "penalty": penalty.detach(), "ret": ret}
+        res["mid"] = mid_iteration(scaler, [opt])
+        scaler.update()
+        return res
+
+    sides = make_sides(device, build_net("adam", "foreach"), init_scale=2.0**12, growth_interval=2)
+    lockstep(sides, train_step, 8)
+
+
+# ------------------------------------------------------------------------------- sparse
+def test_sparse_embedding_sgd(device):
+    def build(dev):
+        model = Net(sparse=True).to(dev)
+        return [model], [torch.optim.SGD(model.parameters(), lr=0.1)]
+
+    def train_step(side: Side, i: int) -> dict:
+        side.opt.zero_grad()
+        loss = forward_loss(side.model, i, side.device)
+        side.scaler.scale(loss).backward()
+        g = side.model.emb.weight.grad
+        assert g.is_sparse and not g.is_coalesced()
+        with torch.no_grad():
+            if i == 2:
+                g._values()[1, 2] = float("inf")
+            if i == 5:
+                g._values()[-1, -1] = float("nan")
+        ret, _ = scaler_step(side.scaler, side.opt)
+        out = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        side.scaler.update()
+        return out
+
+    sides = make_sides(device, build, init_scale=2.0**12, growth_interval=2)
+    history = lockstep(sides, train_step, 8)
+    assert found_from(history[2]) and found_from(history[5])
+
+
+def _fp16_sparse_case(device: str):
+    """Params with float16 sparse grads whose duplicates overflow only once coalesced, clean
+    float16 sparse grads, and dense float16/float32 grads."""
+    i_dup = torch.tensor([[0, 1, 0], [2, 0, 2]], device=device)
+    v_dup = torch.tensor([64000.0, 32.0, 64000.0], device=device)
+    i_ok = torch.tensor([[0, 1, 1], [2, 0, 2]], device=device)
+    v_ok = torch.tensor([16.0, 32.0, 64.0], device=device)
+    params = [
+        torch.zeros(2, 3, device=device, requires_grad=True),
+        torch.zeros(2, 3, device=device, dtype=torch.float16, requires_grad=True),
+        torch.zeros(2, 3, device=device, dtype=torch.float16, requires_grad=True),
+        torch.zeros(5, device=device, dtype=torch.float16, requires_grad=True),
+    ]
+    params[0].grad = torch.full((2, 3), 8.0, device=device)
+    params[1].grad = torch.sparse_coo_tensor(i_ok, v_ok, (2, 3)).to(torch.float16)
+    params[2].grad = torch.sparse_coo_tensor(i_dup, v_dup, (2, 3)).to(torch.float16)
+    params[3].grad = torch.full((5,), 4.0, device=device, dtype=torch.float16)
+    return params, torch.optim.SGD(params, lr=1.0)
+
+
+@pytest.mark.parametrize("duplicates_overflow", [True, False])
+def test_fp16_sparse_unscale_grads(device, duplicates_overflow):
+    results = []
+    for cls in SCALERS:
+        params, opt = _fp16_sparse_case(device)
+        if not duplicates_overflow:
+            params[2].grad = params[2].grad * 0.25  # 16000 + 16000 is finite in float16
+        before = [p.grad for p in params]
+        scaler = cls(device)
+        inv_scale = torch.full((), 0.25, device=device)
+        found_inf = torch.zeros((), device=device)
+        found = scaler._unscale_grads_(opt, inv_scale, found_inf, True)
+        replaced = [p.grad is not b for p, b in zip(params, before, strict=True)]
+        results.append(
+            {
+                "found": found,
+                "found_inf_arg": found_inf,
+                "replaced": replaced,
+                "grads": [p.grad for p in params],
+            }
+        )
+    assert_same(results[0], results[1])
+    assert results[0]["replaced"] == [False, True, True, False]  # fp16 sparse grads coalesced
+    assert results[0]["found"][torch.device(device)].item() == float(duplicates_overflow)
+    assert results[0]["found_inf_arg"].item() == 0.0  # torch works on a copy
+
+
+def test_fp16_sparse_check_inf_per_device(device):
+    # the fused-optimizer check path allows float16 and coalesces float16 sparse grads too
+    results = []
+    for cls in SCALERS:
+        params, opt = _fp16_sparse_case(device)
+        scaler = cls(device, init_scale=4.0)
+        scaler.scale(torch.ones((), device=device))
+        found = scaler._check_inf_per_device(opt)
+        results.append({"found": dict(found), "grads": [p.grad for p in params]})
+        scaler.update()
+        results[-1]["after_update"] = scaler_state(scaler)
+    assert_same(results[0], results[1])
+    assert results[0]["found"][torch.device(device)].item() == 1.0
+
+
+def test_fp16_grads_rejected_without_allow_fp16(device):
+    errors = []
+    for cls in SCALERS:
+        params, opt = _fp16_sparse_case(device)
+        scaler = cls(device)
+        with pytest.raises(ValueError) as exc:
+            scaler._unscale_grads_(
+                opt, torch.ones((), device=device), torch.zeros((), device=device), False
+            )
+        errors.append(str(exc.value))
+        assert params[0].grad.eq(8.0).all()  # nothing was unscaled before the error
+    assert errors[1].startswith(errors[0])
+
+
+# ------------------------------------------------------------------------------- disabled
+def test_disabled_scaler(device):
+    sides = make_sides(device, build_net("sgd", "foreach"), enabled=False)
+    for side in sides:
+        x = torch.ones(3, device=device)
+        assert side.scaler.scale(x) is x
+        lst = [x, (x,)]
+        assert side.scaler.scale(lst) is lst
+
+    def train_step(side: Side, i: int) -> dict:
+        side.opt.zero_grad()
+        loss = forward_loss(side.model, i, side.device)
+        scaled = side.scaler.scale(loss)
+        scaled.backward()
+        side.scaler.unscale_(side.opt)
+        ret = side.scaler.step(side.opt)
+        side.scaler.update()
+        side.scaler.update(4.0)
+        side.scaler.load_state_dict({})
+        return {
+            "same_loss_object": scaled is loss,
+            "ret": ret,
+            "get_scale": side.scaler.get_scale(),
+            "tracker": side.scaler._get_growth_tracker(),
+            "state_dict": side.scaler.state_dict(),
+            "enabled": side.scaler.is_enabled(),
+        }
+
+    history = lockstep(sides, train_step, 4)
+    assert history[0]["same_loss_object"] and history[0]["get_scale"] == 1.0
+    for side in sides:
+        clone = pickle.loads(pickle.dumps(side.scaler))
+        assert type(clone) is type(side.scaler) and not clone.is_enabled()
+        copy.deepcopy(side.scaler)
+
+
+# ------------------------------------------------------------------------------- odd params
+def test_frozen_and_unused_parameters(device):
+    class Partial(Net):
+        def __init__(self):
+            super().__init__()
+            self.fc1.requires_grad_(False)  # frozen but handed to the optimizer: grad None
+            self.side = nn.Linear(D_HID, D_OUT)  # used in odd iterations only
+
+        def forward(self, x, idx, use_side=False):
+            h = F.relu(self.fc2(F.relu(self.fc1(x + self.emb(idx)))))
+            return self.head(h) + (self.side(h) if use_side else 0)
+
+    def build(dev):
+        model = Partial().to(dev)
+        return [model], [torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)]
+
+    def train_step(side: Side, i: int) -> dict:
+        side.opt.zero_grad(set_to_none=True)
+        x, idx, y = batch(i, side.device)
+        with torch.autocast(device_type=side.device, dtype=torch.float16):
+            out = side.model(x, idx, use_side=bool(i % 2))
+        side.scaler.scale(F.mse_loss(out.float(), y)).backward()
+        assert side.model.fc1.weight.grad is None
+        inject_specials(side.model, i)
+        ret, _ = scaler_step(side.scaler, side.opt)
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        side.scaler.update()
+        return res
+
+    lockstep(make_sides(device, build, **SCALER_KW), train_step)
+
+
+def test_optimizer_without_grads_raises(device):
+    def build(dev):
+        used, unused = Net().to(dev), Net().to(dev)
+        return [used, unused], [
+            torch.optim.SGD(used.parameters(), lr=0.1),
+            torch.optim.SGD(unused.parameters(), lr=0.1),
+        ]
+
+    def train_step(side: Side, i: int) -> dict:
+        for o in side.opts:
+            o.zero_grad()
+        side.scaler.scale(forward_loss(side.model, i, side.device)).backward()
+        with pytest.raises(AssertionError) as exc:
+            side.scaler.step(side.opts[1])
+        ret = side.scaler.step(side.opts[0])  # the other optimizer and the update still work
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, side.opts)}
+        side.scaler.update()
+        side.log.append(str(exc.value))
+        return res
+
+    sides = make_sides(device, build, **SCALER_KW)
+    lockstep(sides, train_step, 4)
+    msg_t, msg_a = sides[0].log[0], sides[1].log[0]
+    assert msg_t == "No inf checks were recorded for this optimizer."
+    assert msg_a.startswith(msg_t) and len(msg_a) > len(msg_t)
+
+
+@pytest.mark.parametrize("impl", ["forloop", "foreach"])
+def test_mixed_grad_dtypes(device, impl):
+    # one optimizer over float32, bfloat16 and float64 parameters.  torch's CUDA unscale kernel
+    # has no bfloat16 version, so on CUDA the low-precision layer is float32.
+    low = torch.bfloat16 if device == "cpu" else torch.float32
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(D_IN, D_HID)
+            self.fc2 = nn.Linear(D_HID, D_HID).to(low)
+            self.head = nn.Linear(D_HID, D_OUT).double()
+
+        def forward(self, x):
+            h = F.relu(self.fc2(F.relu(self.fc1(x)).to(low)))
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                return self.head(h.double())
+
+    def build(dev):
+        model = Mixed().to(dev)
+        return [model], [
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=impl == "foreach")
+        ]
+
+    def train_step(side: Side, i: int) -> dict:
+        side.opt.zero_grad()
+        x, _, y = batch(i, side.device)
+        with torch.autocast(device_type=side.device, dtype=torch.float16):
+            out = side.model(x)
+        side.scaler.scale(F.mse_loss(out.float(), y)).backward()
+        assert {p.grad.dtype for p in side.model.parameters()} == {
+            torch.float32,
+            low,
+            torch.float64,
+        }
+        with torch.no_grad():
+            if i == 2:
+                side.model.fc2.weight.grad[0, 1] = float("inf")
+            if i == 5:
+                side.model.head.bias.grad[2] = float("nan")
+        ret, _ = scaler_step(side.scaler, side.opt)
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        side.scaler.update()
+        return res
+
+    history = lockstep(make_sides(device, build, **SCALER_KW), train_step, 8)
+    assert found_from(history[2]) and found_from(history[5])
+
+
+class _TaggedSGD(torch.optim.SGD):
+    """step() takes extra arguments and returns something, to check what scaler.step forwards
+    and returns."""
+
+    def step(self, closure=None, tag=None, *, scale_lr=1.0):  # type: ignore[override]
+        for g in self.param_groups:
+            g["lr"] = 0.05 * scale_lr
+        super().step(closure)
+        return (tag, scale_lr)
+
+
+def test_step_forwards_arguments_and_return_value(device):
+    def build(dev):
+        model = Net().to(dev)
+        return [model], [_TaggedSGD(model.parameters(), lr=0.05, foreach=False)]
+
+    def train_step(side: Side, i: int) -> dict:
+        _prepared(side, i)
+        inject_specials(side.model, i)
+        ret = side.scaler.step(side.opt, None, f"it{i}", scale_lr=1.0 + i)
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        side.scaler.update()
+        return res
+
+    history = lockstep(make_sides(device, build, **SCALER_KW), train_step)
+    rets = [h["ret"] for h in history]
+    assert rets[INF_ITER] is None and ("it9", 10.0) in rets
+
+
+# ------------------------------------------------------------------------------- misuse
+def _prepared(side: Side, i: int = 0) -> None:
+    side.opt.zero_grad()
+    side.scaler.scale(forward_loss(side.model, i, side.device)).backward()
+
+
+def _noop(side: Side) -> None:
+    pass
+
+
+def _step_update(side: Side) -> None:
+    side.scaler.step(side.opt)
+    side.scaler.update()
+
+
+def _update(side: Side) -> None:
+    side.scaler.update()
+
+
+def _unscale(side: Side) -> None:
+    side.scaler.unscale_(side.opt)
+
+
+def _step(side: Side) -> None:
+    side.scaler.step(side.opt)
+
+
+def _prepared_unscaled(side: Side) -> None:
+    _prepared(side)
+    side.scaler.unscale_(side.opt)
+
+
+def _prepared_stepped(side: Side) -> None:
+    _prepared(side)
+    side.scaler.step(side.opt)
+
+
+def _half_grads(side: Side) -> None:
+    side.model.head.half()  # float16 params after float32 ones: nothing may be unscaled
+    _prepared(side)
+
+
+def _not_a_tensor(side: Side) -> None:
+    _prepared(side)
+    side.opt.param_groups[0]["params"].append(1.5)
+
+
+# name: (prepare, misuse, finish, exception type, ampfused adds guidance, torch's message)
+MISUSE: dict[str, tuple] = {
+    "unscale_twice": (
+        _prepared_unscaled,
+        _unscale,
+        _step_update,
+        RuntimeError,
+        True,
+        "unscale_() has already been called on this optimizer since the last update().",
+    ),
+    "unscale_after_step": (
+        _prepared_stepped,
+        _unscale,
+        _update,
+        RuntimeError,
+        True,
+        "unscale_() is being called after step().",
+    ),
+    "step_twice": (
+        _prepared_stepped,
+        _step,
+        _update,
+        RuntimeError,
+        True,
+        "step() has already been called since the last update().",
+    ),
+    "closure": (
+        _prepared,
+        lambda s: s.scaler.step(s.opt, closure=lambda: None),
+        _step_update,
+        RuntimeError,
+        True,
+        "Closure use is not currently supported if GradScaler is enabled.",
+    ),
+    "fp16_grads_step": (
+        _half_grads,
+        _step,
+        _noop,
+        ValueError,
+        True,
+        "Attempting to unscale FP16 gradients.",
+    ),
+    "fp16_grads_unscale": (
+        _half_grads,
+        _unscale,
+        _noop,
+        ValueError,
+        True,
+        "Attempting to unscale FP16 gradients.",
+    ),
+    "update_without_step": (
+        _prepared,
+        _update,
+        _step_update,
+        AssertionError,
+        True,
+        "No inf checks were recorded prior to update.",
+    ),
+    "update_before_scale": (
+        _noop,
+        _update,
+        _noop,
+        AssertionError,
+        False,
+        "Attempted update but _scale is None.  This may indicate your "
+        "script did not use scaler.scale(loss or outputs) earlier in the "
+        "iteration.",
+    ),
+    "step_before_scale": (
+        _noop,
+        _step,
+        _noop,
+        AssertionError,
+        False,
+        "Attempted step but _scale is None.",
+    ),
+    "param_not_a_tensor": (
+        _not_a_tensor,
+        _step,
+        _noop,
+        AssertionError,
+        None,
+        "expected param to be torch.Tensor, got float",
+    ),
+}
+
+
+@pytest.mark.parametrize("impl", ["forloop", "fused"])
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_raises_like_torch(device, case, impl):
+    prepare, misuse, finish, exc_type, guidance, torch_msg = MISUSE[case]
+    sides = make_sides(device, build_net("adam", impl), **SCALER_KW)
+    if case == "fp16_grads_step" and impl == "fused":
+        # not a misuse there: the fused-optimizer check path allows float16 grads, in both
+        for side in sides:
+            prepare(side)
+            side.scaler.step(side.opt)
+            side.scaler.update()
+        compare_sides(sides, "float16 grads, fused optimizer")
+        return
+    messages = []
+    for side in sides:
+        prepare(side)
+        with pytest.raises(Exception) as exc:
+            misuse(side)
+        assert type(exc.value) is exc_type, f"{type(side.scaler)}: {exc.value!r}"
+        messages.append(str(exc.value))
+    msg_t, msg_a = messages
+    assert msg_t.startswith(torch_msg)  # guards the expectation against torch changing
+    assert msg_a.startswith(msg_t), f"ampfused: {msg_a!r}\ntorch: {msg_t!r}"
+    if guidance:
+        assert len(msg_a) > len(msg_t), "ampfused's message should add guidance"
+    # the failed call left both scalers in the same state: finish the iteration and train on
+    compare_sides(sides, "after the error")
+    for side in sides:
+        finish(side)
+    if case != "param_not_a_tensor" and not case.startswith("fp16"):
+        lockstep(sides, make_train_step(), range(1, 4))
+    else:
+        compare_sides(sides, "after finishing")
+
+
+# ------------------------------------------------------------------------------- state_dict
+def test_state_dict_matches_torch(device):
+    kw = {
+        "init_scale": 3.0 * 2**18,
+        "growth_factor": 3.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 3,
+    }
+    sides = make_sides(device, build_net("sgd", "forloop"), **kw)
+    sds = [s.scaler.state_dict() for s in sides]  # before the scale exists
+    assert_same(sds[0], sds[1])
+    assert list(sds[0]) == [
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+    ]
+    history = lockstep(sides, make_train_step(), 6)  # compares state_dict() every iteration
+    assert any(h["mid"]["_growth_tracker"].item() for h in history)
+
+
+def _crossload(src: torch.amp.GradScaler, dst: torch.amp.GradScaler) -> None:
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst.load_state_dict(torch.load(buf))
+
+
+def test_checkpoint_crossload_mid_training(device):
+    # sides: torch uninterrupted, ampfused uninterrupted, then torch and ampfused scalers that
+    # are replaced mid-training by ones loaded from the other class's checkpoint.
+    classes = (TorchScaler, FusedScaler, TorchScaler, FusedScaler)
+    kw = {"init_scale": 2.0**20, "growth_interval": 3}
+    sides = make_sides(device, build_net("adam", "foreach"), classes=classes, **kw)
+    step = make_train_step()
+    i = 0
+    while i < 3 or sides[0].scaler._get_growth_tracker() == 0:  # load a non-trivial tracker
+        lockstep(sides, step, range(i, i + 1))
+        i += 1
+        assert i < 12
+    old = [s.scaler for s in sides]
+    # a fresh scaler (lazy: no _scale yet) and a used one (its _scale is overwritten in place)
+    fresh_fused = FusedScaler(device, init_scale=1.0, growth_factor=9.0, growth_interval=7)
+    used_torch = TorchScaler(device, init_scale=5.0, backoff_factor=0.1)
+    used_torch.scale(torch.ones((), device=device))
+    _crossload(old[0], fresh_fused)  # torch -> ampfused
+    _crossload(old[1], used_torch)  # ampfused -> torch
+    sides[3].scaler, sides[2].scaler = fresh_fused, used_torch
+    # and the other way round on a used ampfused scaler
+    used_fused = FusedScaler(device, init_scale=7.0)
+    used_fused.scale(torch.ones((), device=device))
+    _crossload(old[2], used_fused)
+    assert_same(used_fused.state_dict(), old[2].state_dict())
+    lockstep(sides, step, range(i, i + 6))
+
+
+@pytest.mark.parametrize("where", ["after_unscale", "after_step"])
+def test_load_state_dict_mid_iteration(device, where):
+    # Loading a checkpoint between unscale_/step and update: update() must start from the loaded
+    # scale and tracker, as torch's does, never commit an update computed before the load.
+    loaded = {
+        "scale": 512.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 2,
+        "_growth_tracker": 1,
+    }
+
+    def train_step(side: Side, i: int) -> dict:
+        _prepared(side, i)
+        inject_specials(side.model, i)
+        if where == "after_unscale":
+            side.scaler.unscale_(side.opt)
+            side.scaler.load_state_dict(dict(loaded, scale=loaded["scale"] * (i + 1)))
+            ret = side.scaler.step(side.opt)
+        else:
+            ret = side.scaler.step(side.opt)
+            side.scaler.load_state_dict(dict(loaded, scale=loaded["scale"] * (i + 1)))
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        side.scaler.update()
+        return res
+
+    sides = make_sides(device, build_net("sgd", "forloop"), **SCALER_KW)
+    history = lockstep(sides, train_step, 5)
+    assert found_from(history[INF_ITER])
+    # the loaded tracker (1) with interval 2 means: a clean step grows, an overflow backs off
+    assert sides[0].scaler.get_scale() == 512.0 * 5 * 4.0
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy(device, how):
+    def clone(scaler):
+        return pickle.loads(pickle.dumps(scaler)) if how == "pickle" else copy.deepcopy(scaler)
+
+    base = make_train_step()
+
+    def train_step(side: Side, i: int) -> dict:
+        side.scaler = clone(side.scaler)  # at the iteration boundary
+        out = base(side, i)
+        return out
+
+    sides = make_sides(device, build_net("adamw", "fused"), **SCALER_KW)
+    for side in sides:
+        side.scaler = clone(side.scaler)  # before the scale exists
+    lockstep(sides, train_step, 6)
+    assert type(sides[1].scaler) is FusedScaler
+    # mid-iteration both refuse, with the same error
+    messages = []
+    for side in sides:
+        _prepared(side)
+        side.scaler.unscale_(side.opt)
+        with pytest.raises(AssertionError) as exc:
+            clone(side.scaler)
+        messages.append(str(exc.value))
+        side.scaler.step(side.opt)
+        side.scaler.update()
+    assert messages[0] == messages[1]
+    compare_sides(sides, "after the refused copy")
+    lockstep(sides, train_step, range(6, 8))
+
+
+# ------------------------------------------------------------------------------- fallbacks
+def _between_fill_scale(side: Side, i: int) -> None:
+    if i in (2, 5):
+        side.scaler._scale.fill_(3.0 * 2**10)
+
+
+def _between_mul_scale(side: Side, i: int) -> None:
+    if i % 3 == 1:
+        side.scaler._scale.mul_(0.25)
+
+
+def _between_tracker(side: Side, i: int) -> None:
+    if i == 4:
+        side.scaler._growth_tracker.fill_(1)
+
+
+def _setter(name: str, values: dict[int, float]) -> Callable[[Side, int], None]:
+    def between(side: Side, i: int) -> None:
+        if i in values:
+            getattr(side.scaler, name)(values[i])
+
+    return between
+
+
+def _found_inf_edit(op: str) -> Callable[[Side, int], Any]:
+    def between(side: Side, i: int) -> Any:
+        for f in side.scaler._found_inf_per_device(side.opt).values():
+            if op == "zero":  # hide every overflow: the scale keeps growing
+                f.zero_()
+            elif op == "one" and i % 2 == 0:  # report an overflow on every other step
+                f.fill_(1.0)
+            elif op == "add" and i % 3 == 0:  # found_inf values summing to 2
+                f.add_(1.0)
+
+    return between
+
+
+def _replace_scale(side: Side, i: int) -> None:
+    if i == 3:
+        side.scaler._scale = torch.full((), 2.0**11, device=side.device)
+    if i == 5:
+        side.scaler._growth_tracker = torch.full((), 1, dtype=torch.int32, device=side.device)
+
+
+FALLBACKS: dict[str, Callable[[Side, int], Any]] = {
+    "scale_fill_": _between_fill_scale,
+    "scale_mul_": _between_mul_scale,
+    "growth_tracker_fill_": _between_tracker,
+    "set_growth_factor": _setter("set_growth_factor", {1: 3.0, 4: 1.5}),
+    "set_backoff_factor": _setter("set_backoff_factor", {0: 0.125, 3: 0.75}),
+    "set_growth_interval": _setter("set_growth_interval", {1: 1, 5: 3}),
+    "found_inf_zero_": _found_inf_edit("zero"),
+    "found_inf_fill_one": _found_inf_edit("one"),
+    "found_inf_add_": _found_inf_edit("add"),
+    "replace_scale_tensors": _replace_scale,
+}
+
+
+@pytest.mark.parametrize("impl", ["forloop", "fused"])
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_changes_between_step_and_update(device, case, impl):
+    sides = make_sides(device, build_net("sgd", impl), **SCALER_KW)
+    lockstep(sides, make_train_step(between=FALLBACKS[case]))
+
+
+@pytest.mark.parametrize("case", ["scale_mul_", "set_growth_factor", "set_backoff_factor"])
+def test_changes_between_two_optimizers(device, case):
+    # the change lands after the first optimizer's pass and before the others' passes
+    sides = make_sides(device, build_three, init_scale=2.0**12, growth_interval=2)
+    lockstep(sides, multi_step(FALLBACKS[case]), 6)
+
+
+def test_replaced_scale_tensors_between_iterations(device):
+    def train_step(side: Side, i: int) -> dict:
+        if i == 2:
+            side.scaler._scale = torch.full((), 2.0**13, device=side.device)
+            side.scaler._growth_tracker = torch.full((), 1, dtype=torch.int32, device=side.device)
+        return make_train_step()(side, i)
+
+    lockstep(make_sides(device, build_net("sgd", "foreach"), **SCALER_KW), train_step)
+
+
+@pytest.mark.parametrize("kind", ["float", "tensor"])
+def test_update_new_scale(device, kind):
+    def train_step(side: Side, i: int) -> dict:
+        _prepared(side, i)
+        inject_specials(side.model, i)
+        ret = side.scaler.step(side.opt)
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        if i in (1, 3, 4):
+            value = 2.0 ** (10 + i)
+            new_scale = value if kind == "float" else torch.tensor(value, device=side.device)
+            side.scaler.update(new_scale)
+            if kind == "tensor":
+                new_scale.fill_(7.0)  # later changes to the argument do not leak in
+        else:
+            side.scaler.update()
+        return res
+
+    sides = make_sides(device, build_net("sgd", "forloop"), **SCALER_KW)
+    lockstep(sides, train_step, 7)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["two_elements", "requires_grad"],
+)
+def test_update_new_scale_invalid(device, bad):
+    messages = []
+    for cls in SCALERS:
+        scaler = cls(device, init_scale=8.0)
+        scaler.scale(torch.ones((), device=device))
+        if bad == "two_elements":
+            new_scale = torch.ones(2, device=device)
+        else:
+            new_scale = torch.ones((), device=device, requires_grad=True)
+        with pytest.raises(AssertionError) as exc:
+            scaler.update(new_scale)
+        messages.append((str(exc.value), scaler.get_scale()))
+    assert messages[0] == messages[1]
+
+
+# ------------------------------------------------------------------------------- per-param work
+def _count_scaler_lines(scaler_cls, n_params: int, fused: bool) -> int:
+    """Python lines executed inside the two grad_scaler modules during unscale_ (or the fused
+    check) + step + update, for n_params tiny parameters."""
+    params = [torch.ones(2, requires_grad=True) for _ in range(n_params)]
+    for p in params:
+        p.grad = torch.full((2,), 8.0)
+    opt = torch.optim.SGD(params, lr=0.0, fused=fused)
+    scaler = scaler_cls("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    files = {ampfused.grad_scaler.__file__, torch.amp.grad_scaler.__file__}
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename in files else None
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        if not fused:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        sys.settrace(old)
+    assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 1
+    assert params[-1].grad[0].item() == 2.0  # unscaled (by the fused SGD kernel if fused)
+    return count
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unscale_step_update", "fused_check"])
+def test_no_per_parameter_python_loop(fused):
+    few, many = 20, 2000
+    fused_few = _count_scaler_lines(FusedScaler, few, fused)
+    fused_many = _count_scaler_lines(FusedScaler, many, fused)
+    assert fused_few == fused_many, (fused_few, fused_many)
+    # the probe sees torch's per-parameter loop, so it would see one in ampfused
+    torch_few = _count_scaler_lines(TorchScaler, few, fused)
+    torch_many = _count_scaler_lines(TorchScaler, many, fused)
+    assert torch_many - torch_few >= many - few
+
+
+def test_torch_unscale_and_update_kernels_not_called(device, monkeypatch):
+    calls = {"_amp_foreach_non_finite_check_and_unscale_": 0, "_amp_update_scale_": 0}
+    for name in calls:
+        real = getattr(torch, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, counting)
+    sides = make_sides(device, build_three, init_scale=2.0**12, growth_interval=2)
+    lockstep(sides[1:], multi_step(), 3)
+    assert calls == {"_amp_foreach_non_finite_check_and_unscale_": 0, "_amp_update_scale_": 0}
+    lockstep(sides[:1], multi_step(), 1)  # the probe sees torch's own calls
+    assert all(calls.values())
+
+
+# ------------------------------------------------------------------------------- protocol bugs
+class _AmpAwareOptimizer(torch.optim.SGD):
+    """A minimal optimizer using the fused-optimizer protocol: it reads grad_scale and found_inf
+    and, like some custom optimizers, keeps them (for a deferred update) or consumes found_inf."""
+
+    def __init__(self, params, consume_found_inf: bool = False):
+        super().__init__(params, lr=0.1)
+        self._step_supports_amp_scaling = True
+        self.consume_found_inf = consume_found_inf
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.kept.append((self.grad_scale, self.found_inf))
+        if self.consume_found_inf:
+            self.found_inf.zero_()
+        return "stepped"
+
+
+def _run_amp_aware(cls, consume: bool) -> dict:
+    p = torch.ones(3, requires_grad=True)
+    opt = _AmpAwareOptimizer([p], consume_found_inf=consume)
+    scaler = cls("cpu", init_scale=4.0, growth_interval=1)
+    rets = []
+    for i in range(3):
+        p.grad = torch.full((3,), float("inf") if i == 1 else 1.0)
+        scaler.scale(torch.ones(()))
+        rets.append(scaler.step(opt))
+        scaler.update()
+    return {
+        "rets": rets,
+        "kept": [(g.item(), f.item()) for g, f in opt.kept],
+        "scale": scaler.get_scale(),
+    }
+
+
+def test_fused_protocol_found_inf_is_a_private_tensor():
+    assert_same(_run_amp_aware(TorchScaler, True), _run_amp_aware(FusedScaler, True))
+
+
+def test_fused_protocol_grad_scale_is_a_snapshot():
+    assert_same(_run_amp_aware(TorchScaler, False), _run_amp_aware(FusedScaler, False))
+
+
+def _subclass_overriding_unscale_grads(base):
+    class Sub(base):
+        """A subclass that post-processes found_inf in _unscale_grads_, as sharded/distributed
+        scalers do (all-reduce); here: ignore overflows."""
+
+        calls = 0
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            type(self).calls += 1
+            out = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            for f in out.values():
+                f.zero_()
+            return out
+
+    return Sub
+
+
+def test_subclass_override_of_unscale_grads_is_honored():
+    results = []
+    for base in SCALERS:
+        sub = _subclass_overriding_unscale_grads(base)
+        p = torch.ones(3, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = sub("cpu", init_scale=4.0, growth_interval=1)
+        p.grad = torch.full((3,), float("inf"))
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+        results.append({"calls": sub.calls, "scale": scaler.get_scale(), "p": p.detach()})
+    assert_same(results[0], results[1])
+
+
+def test_unsupported_grad_dtype_raises_like_torch():
+    errors = []
+    for cls in SCALERS:
+        p = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = cls("cpu", init_scale=4.0)
+        scaler.scale((p.abs() ** 2).sum()).backward()
+        with pytest.raises(Exception) as exc:
+            scaler.step(opt)
+        errors.append(type(exc.value))
+    assert errors[0] is NotImplementedError
+    assert errors[1] is errors[0]
+
+
+# Deliberate difference (README): torch's update() sums the iteration's found_inf tensors in
+# place into the first one (found_infs[0] += ...), a side effect costing a kernel per extra
+# tensor; ampfused commits its pending update and leaves every found_inf as its pass wrote it.
+def test_found_inf_tensors_kept_across_update():
+    results = []
+    for cls in SCALERS:
+        p0, p1 = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        opts = [torch.optim.SGD([p0], lr=0.1), torch.optim.SGD([p1], lr=0.1)]
+        scaler = cls("cpu", init_scale=4.0)
+        p0.grad = torch.ones(3)
+        p1.grad = torch.full((3,), float("inf"))
+        scaler.scale(torch.ones(()))
+        for o in opts:
+            scaler.step(o)
+        kept = [scaler._found_inf_per_device(o)[torch.device("cpu")] for o in opts]
+        scaler.update()
+        results.append([f.item() for f in kept])
+    assert results[0] == [1.0, 1.0]  # torch: the first optimizer's tensor now holds the sum
+    assert results[1] == [0.0, 1.0]  # ampfused: each optimizer's own result

@@ -21,9 +21,41 @@ namespace py = pybind11;
 namespace ampfused {
 namespace {
 
+// The gradients of one device.  Dense grads are *borrowed* (no refcount traffic: two atomic
+// operations per tensor are a measurable share of the per-parameter cost); sparse values are
+// new tensors, owned by `owned` and borrowed from there.  The parameters keep the dense grads
+// alive for the duration of the call.
 struct DeviceGrads {
+  using Traits = c10::MaybeOwnedTraits<at::Tensor>;
   at::Device device;
-  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> grads;  // borrows only
+  std::vector<at::Tensor> owned;
+
+  explicit DeviceGrads(at::Device d) : device(d) {}
+  DeviceGrads(DeviceGrads&& o) noexcept = default;
+  DeviceGrads(const DeviceGrads&) = delete;
+  DeviceGrads& operator=(const DeviceGrads&) = delete;
+  DeviceGrads& operator=(DeviceGrads&&) = delete;
+  ~DeviceGrads() {
+    if (!borrowed) return;
+    for (at::Tensor& g : grads) Traits::destroyBorrow(g);
+  }
+  // Before the GIL is released: another thread could then drop a parameter's .grad.
+  void own_all() {
+    if (!borrowed) return;
+    for (at::Tensor& g : grads) {
+      at::Tensor ref = g;
+      Traits::destroyBorrow(g);
+      g = std::move(ref);
+    }
+    borrowed = false;
+  }
+  bool borrowed = true;
+  void borrow(const at::Tensor& t) { grads.push_back(Traits::createBorrow(t)); }
+  void own(at::Tensor t) {
+    owned.push_back(std::move(t));
+    borrow(owned.back());
+  }
 };
 
 [[noreturn]] void raise(PyObject* type, const std::string& msg) {
@@ -77,24 +109,22 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
                   ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 and "
                   "float64 gradients only");
       }
-      at::Tensor to_unscale;
+      at::Tensor values;  // defined for sparse grads only
       if (grad.layout() == at::kSparse) {
         if (dtype == at::kHalf) {
           // As torch does: duplicates of a float16 sparse grad may only overflow once summed.
           at::Tensor coalesced = grad.coalesce();
           const_cast<at::Tensor&>(param).mutable_grad() = coalesced;
-          to_unscale = coalesced._values();
+          values = coalesced._values();
         } else {
-          to_unscale = grad._values();
+          values = grad._values();
         }
-      } else if (grad.layout() == at::kStrided) {
-        to_unscale = grad;
-      } else {
+      } else if (grad.layout() != at::kStrided) {
         raise(PyExc_TypeError, where(gi, i) + ".grad has layout " +
                                    std::string(c10::toString(grad.layout())) +
                                    "; GradScaler unscales dense (strided) and sparse COO gradients");
       }
-      const at::Device dev = to_unscale.device();
+      const at::Device dev = values.defined() ? values.device() : grad.device();
       // Devices without an ampfused kernel (mps, xpu, ...) take torch's own path.
       if (!(dev.is_cpu() || dev.is_cuda())) return std::nullopt;
       DeviceGrads* slot = nullptr;
@@ -102,10 +132,14 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
         if (d.device == dev) slot = &d;
       }
       if (slot == nullptr) {
-        out.push_back({dev, {}});
+        out.emplace_back(dev);
         slot = &out.back();
       }
-      slot->grads.push_back(std::move(to_unscale));
+      if (values.defined()) {
+        slot->own(std::move(values));
+      } else {
+        slot->borrow(grad);
+      }
     }
   }
   return out;
@@ -137,6 +171,20 @@ const c10::TypedOperatorHandle<FusedSig>& fused_op() {
 
 using Found = std::vector<std::pair<at::Device, at::Tensor>>;
 
+// Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
+// borrowed grads become owned references first.  Short passes and CUDA launches keep it.
+std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups) {
+  constexpr int64_t kLongPassBytes = 1 << 20;
+  int64_t cpu_bytes = 0;
+  for (const auto& g : groups) {
+    if (!g.device.is_cpu()) continue;
+    for (const at::Tensor& t : g.grads) cpu_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  if (cpu_bytes < kLongPassBytes) return std::nullopt;
+  for (auto& g : groups) g.own_all();
+  return std::make_optional<py::gil_scoped_release>();
+}
+
 // GradScaler.unscale_ / _check_inf_per_device: the fused pass on the scale's device (found_inf
 // overwritten, pending scale/tracker computed), the plain op on any other device.
 std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale,
@@ -146,7 +194,7 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
                                 bool accumulate, bool allow_fp16) {
   auto groups = collect(param_groups, allow_fp16);
   if (!groups) return std::nullopt;
-  py::gil_scoped_release no_gil;
+  const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;
   Found found;
   at::Tensor inv_scale;  // for other devices, made on first need
@@ -176,7 +224,7 @@ std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& in
                                    const at::Tensor& found_inf, bool allow_fp16) {
   auto groups = collect(param_groups, allow_fp16);
   if (!groups) return std::nullopt;
-  py::gil_scoped_release no_gil;
+  const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;
   Found found;
   for (auto& g : *groups) {

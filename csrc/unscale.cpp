@@ -3,6 +3,8 @@
 #include "unscale.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 #include <c10/util/irange.h>
 
@@ -183,6 +185,88 @@ void unscale_update_scale_(at::TensorList grads, const at::Tensor& found_inf,
 }
 
 }  // namespace ampfused
+
+namespace ampfused {
+namespace {
+
+// Autograd-key kernels.  Without them every call takes torch's boxed autograd fallback, which
+// converts the whole gradient list to IValues and back (most of the per-tensor cost for
+// thousands of small gradients).  These stay unboxed: refuse inputs that would need a
+// derivative, run the backend kernel below autograd, and bump the version counters of what was
+// mutated, which is the ADInplaceOrView kernel's job.
+
+void check_no_grad_needed(at::TensorList grads) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const auto i : c10::irange(grads.size())) {
+    TORCH_CHECK(!grads[i].requires_grad(), "grads[", i,
+                "] requires grad; the ampfused ops are not differentiable and modify gradients "
+                "in place: call them under torch.no_grad()");
+  }
+}
+
+void bump(const at::Tensor& t) {
+  if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+void non_finite_check_and_unscale_autograd(at::TensorList grads, const at::Tensor& found_inf,
+                                           const at::Tensor& inv_scale) {
+  using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&);
+  static const auto op = handle<Sig>("ampfused::non_finite_check_and_unscale_");
+  check_no_grad_needed(grads);
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    op.call(grads, found_inf, inv_scale);
+  }
+  for (const at::Tensor& g : grads) bump(g);
+  bump(found_inf);
+}
+
+void non_finite_check_autograd(at::TensorList grads, const at::Tensor& found_inf) {
+  using Sig = void(at::TensorList, const at::Tensor&);
+  static const auto op = handle<Sig>("ampfused::non_finite_check_");
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    op.call(grads, found_inf);
+  }
+  bump(found_inf);
+}
+
+void unscale_update_scale_autograd(at::TensorList grads, const at::Tensor& found_inf,
+                                   const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                   const at::Tensor& next_scale,
+                                   const at::Tensor& next_growth_tracker, double growth_factor,
+                                   double backoff_factor, int64_t growth_interval,
+                                   bool check_only, bool accumulate) {
+  using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
+  static const auto op = handle<Sig>("ampfused::unscale_update_scale_");
+  if (!check_only) check_no_grad_needed(grads);
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    op.call(grads, found_inf, scale, growth_tracker, next_scale, next_growth_tracker,
+            growth_factor, backoff_factor, growth_interval, check_only, accumulate);
+  }
+  if (!check_only) {
+    for (const at::Tensor& g : grads) bump(g);  // a check-only pass wrote no gradient
+  }
+  bump(found_inf);
+  bump(next_scale);
+  bump(next_growth_tracker);
+}
+
+}  // namespace
+}  // namespace ampfused
+
+TORCH_LIBRARY_IMPL(ampfused, Autograd, m) {
+  m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_autograd);
+  m.impl("non_finite_check_", &ampfused::non_finite_check_autograd);
+  m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_autograd);
+}
 
 // The host wrappers pick the CPU or CUDA kernel from the device, so one registration per key.
 TORCH_LIBRARY_IMPL(ampfused, CPU, m) {

@@ -332,7 +332,9 @@ class GradScaler(torch.amp.GradScaler):
             super().update(new_scale)
             return
         found_infs = [
-            f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()
+            f
+            for state in self._per_optimizer_states.values()
+            for f in state["found_inf_per_device"].values()
         ]
         if len(found_infs) == 0:
             raise AssertionError(

@@ -13,8 +13,10 @@ from torch import Tensor
 __all__ = ["non_finite_check_and_unscale_", "non_finite_check_", "unscale_update_scale_"]
 
 
-def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """Unscale ``grads`` in place and flag inf/NaN; ``torch._amp_foreach_non_finite_check_and_unscale_``.
+def non_finite_check_and_unscale_(
+    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
+    """Unscale ``grads`` in place and flag inf/NaN (torch's foreach check-and-unscale op).
 
     Args:
         grads: float16/bfloat16/float32/float64 tensors on one device; mutated: every element

@@ -56,7 +56,9 @@ def update_rule(
     return f32(scale), successful
 
 
-def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+def non_finite_check_and_unscale_(
+    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
     if _any_non_finite(grads):
         found_inf.fill_(1.0)
     _unscale_(grads, float(inv_scale.item()))

@@ -34,7 +34,7 @@ install: $(STAMP)
 $(VENV)/.deps-$(TORCH_VERSION):
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --upgrade pip
-	$(VENV)/bin/python -m pip install torch==$(TORCH_VERSION) setuptools wheel ninja pytest numpy expecttest ruff
+	$(VENV)/bin/python -m pip install torch==$(TORCH_VERSION) setuptools wheel ninja pytest numpy expecttest ruff matplotlib tabulate tqdm
 	touch $@
 
 # The README's install command, editable so rebuilds reuse build/ (ninja, incremental).

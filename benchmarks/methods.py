@@ -1,0 +1,320 @@
+"""The methods compared, side by side, on one :class:`~benchmarks.workloads.GradSet`.
+
+Each method is a runner with ``run()`` (the timed work of one optimizer step) and ``reset()``
+(untimed: puts its loss-scale state back to the default 2^16, so the scale never drifts however
+many steps are timed; the gradients are restored by the GradSet).
+
+scaler kind: ``unscale_(opt); step(opt); update()`` with a no-op optimizer.
+op kind:     the raw unscale + check + scale-update ops a hand-written scaler would call.
+floor kind:  the memory floor over the same bytes (an in-place multiply; a device copy on GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import ampfused
+from benchmarks.env import amp_C, is_gpu, multi_tensor_applier
+from benchmarks.workloads import INIT_SCALE, GradSet, Workload
+
+GROWTH, BACKOFF, INTERVAL = 2.0, 0.5, 2000
+
+
+class Runner:
+    """One method bound to one gradient set."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        pass
+
+    def bytes_moved(self, gs: GradSet) -> int:
+        return gs.workload.unscale_bytes
+
+
+# --------------------------------------------------------------------------- scalers
+class _TorchScalerAllowFP16(torch.amp.GradScaler):
+    """torch's scaler taking float16 grads through its private ``allow_fp16`` path (the one
+    ShardedGradScaler and fused optimizers use); its public ``unscale_`` raises ValueError."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # noqa: ANN001
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+class _AmpfusedScalerAllowFP16(ampfused.GradScaler):
+    """ampfused's scaler with float16 grads allowed, as for torch (same private hook)."""
+
+    def _fused_found_inf(self, optimizer, check_only, allow_fp16):  # noqa: ANN001
+        return super()._fused_found_inf(optimizer, check_only, True)
+
+
+class ScalerRunner(Runner):
+    def __init__(self, cls: type[torch.amp.GradScaler], gs: GradSet) -> None:
+        self.scaler = cls(gs.device.type, init_scale=INIT_SCALE)
+        # scale() creates _scale and _growth_tracker on the device, as in training.
+        self.scaler.scale(torch.ones((), device=gs.device))
+        self.optimizer = gs.optimizer
+
+    def reset(self) -> None:
+        assert self.scaler._scale is not None and self.scaler._growth_tracker is not None
+        self.scaler._scale.fill_(INIT_SCALE)
+        self.scaler._growth_tracker.zero_()
+
+    def run(self) -> None:
+        self.scaler.unscale_(self.optimizer)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def _ampfused_scaler(gs: GradSet) -> Runner:
+    fp16 = gs.workload.has(torch.float16)
+    return ScalerRunner(_AmpfusedScalerAllowFP16 if fp16 else ampfused.GradScaler, gs)
+
+
+def _torch_scaler(gs: GradSet) -> Runner:
+    fp16 = gs.workload.has(torch.float16)
+    return ScalerRunner(_TorchScalerAllowFP16 if fp16 else torch.amp.GradScaler, gs)
+
+
+# --------------------------------------------------------------------------- raw ops
+class TorchOpsRunner(Runner):
+    """torch's ops as its scaler calls them, minus the Python walk over parameters: per-dtype
+    lists grouped once up front, one ``_amp_foreach_non_finite_check_and_unscale_`` per dtype,
+    then ``_amp_update_scale_``."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.groups = list(gs.groups.values())
+        self.scale = torch.full((), INIT_SCALE, device=gs.device)
+        self.tracker = torch.zeros((), dtype=torch.int32, device=gs.device)
+
+    def reset(self) -> None:
+        self.scale.fill_(INIT_SCALE)
+        self.tracker.zero_()
+
+    def run(self) -> None:
+        inv_scale = self.scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, device=self.scale.device)
+        for grads in self.groups:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        torch._amp_update_scale_(self.scale, self.tracker, found_inf, GROWTH, BACKOFF, INTERVAL)
+
+
+class AmpfusedOpRunner(Runner):
+    """``ampfused.ops.unscale_update_scale_`` on the whole list (all dtypes in one call)."""
+
+    def __init__(self, gs: GradSet) -> None:
+        dev = gs.device
+        self.grads = list(gs.grads)
+        self.found_inf = torch.zeros((), device=dev)
+        self.scale = torch.full((), INIT_SCALE, device=dev)
+        self.tracker = torch.zeros((), dtype=torch.int32, device=dev)
+        self.next_scale = torch.zeros((), device=dev)
+        self.next_tracker = torch.zeros((), dtype=torch.int32, device=dev)
+
+    def run(self) -> None:
+        ampfused.ops.unscale_update_scale_(
+            self.grads,
+            self.found_inf,
+            self.scale,
+            self.tracker,
+            self.next_scale,
+            self.next_tracker,
+            GROWTH,
+            BACKOFF,
+            INTERVAL,
+        )
+
+
+class NaiveRunner(Runner):
+    """What one writes by hand: per tensor an isfinite check and a ``mul_``, the scale a Python
+    float, one host sync to decide the skip."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.grads = list(gs.grads)
+        self.reset()
+
+    def reset(self) -> None:
+        self.scale = INIT_SCALE
+        self.tracker = 0
+
+    def run(self) -> None:
+        inv = 1.0 / self.scale
+        finite = []
+        for g in self.grads:
+            finite.append(torch.isfinite(g).all())
+            g.mul_(inv)
+        if not bool(torch.stack(finite).all()):
+            self.scale *= BACKOFF
+            self.tracker = 0
+        else:
+            self.tracker += 1
+            if self.tracker == INTERVAL:
+                self.scale *= GROWTH
+                self.tracker = 0
+
+
+class ApexRunner(Runner):
+    """NVIDIA apex's ``amp_C.multi_tensor_scale`` per dtype (scale passed as a host float, as
+    apex's loss scaler does), then its overflow check: one ``.item()`` per step."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.groups = list(gs.groups.values())
+        self.overflow = torch.zeros(1, dtype=torch.int32, device=gs.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.scale = INIT_SCALE
+        self.tracker = 0
+
+    def run(self) -> None:
+        self.overflow.zero_()
+        inv = 1.0 / self.scale
+        for grads in self.groups:
+            multi_tensor_applier(amp_C.multi_tensor_scale, self.overflow, [grads, grads], inv)
+        if self.overflow.item():
+            self.scale *= BACKOFF
+            self.tracker = 0
+        else:
+            self.tracker += 1
+            if self.tracker == INTERVAL:
+                self.scale *= GROWTH
+                self.tracker = 0
+
+
+# --------------------------------------------------------------------------- floors
+class ForeachMulFloor(Runner):
+    """One in-place ``torch._foreach_mul_`` pass per dtype: the same bytes read and written as an
+    unscale, with no finiteness check and no scale logic."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.groups = list(gs.groups.values())
+
+    def run(self) -> None:
+        for grads in self.groups:
+            torch._foreach_mul_(grads, 1.0 / INIT_SCALE)
+
+
+class CopyFloor(Runner):
+    """A device-to-device copy of the gradient buffers (one ``copy_`` per dtype): the bandwidth
+    ceiling of any read+write pass."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.pairs = [(gs.flats[dt], gs.pristine[dt]) for dt in gs.flats]
+
+    def run(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src)
+
+    def bytes_moved(self, gs: GradSet) -> int:
+        return 2 * sum(dst.numel() * dst.element_size() for dst, _ in self.pairs)
+
+
+# --------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str
+    kind: str  # scaler | op | floor
+    description: str
+    factory: Callable[[GradSet], Runner]
+    # Why the method cannot run this workload on this device (None: it can).
+    unavailable: Callable[[Workload, torch.device], str | None] = lambda w, d: None
+    # Not listed at all on this machine (apex not importable, GPU-only on CPU).
+    present: Callable[[torch.device], bool] = lambda d: True
+    # On CPU, skipped for larger gradient sets (a quarter of this with --quick): time budget.
+    max_cpu_bytes: int | None = None
+
+
+def _torch_na(w: Workload, d: torch.device) -> str | None:
+    if is_gpu(d) and w.has(torch.bfloat16):
+        return "torch's CUDA unscale kernel has no bfloat16"
+    return None
+
+
+def _ampfused_na(w: Workload, d: torch.device) -> str | None:
+    if w.has(torch.float16) and not hasattr(ampfused.GradScaler, "_fused_found_inf"):
+        return "float16 grads: the scaler raises ValueError (no allow_fp16 hook)"
+    return None
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "ampfused",
+            "ampfused.GradScaler",
+            "scaler",
+            "ampfused.GradScaler: unscale_ + step + update, no-op optimizer",
+            _ampfused_scaler,
+            _ampfused_na,
+        ),
+        Method(
+            "torch",
+            "torch.amp.GradScaler",
+            "scaler",
+            "torch.amp.GradScaler: unscale_ + step + update, no-op optimizer",
+            _torch_scaler,
+            _torch_na,
+        ),
+        Method(
+            "ampfused-op",
+            "ampfused.ops.unscale_update_scale_",
+            "op",
+            "ampfused's raw op: unscale + check + pending scale update, one call",
+            AmpfusedOpRunner,
+        ),
+        Method(
+            "torch-ops",
+            "torch raw ops",
+            "op",
+            "torch._amp_foreach_non_finite_check_and_unscale_ per dtype + _amp_update_scale_",
+            TorchOpsRunner,
+            _torch_na,
+        ),
+        Method(
+            "naive",
+            "naive loop",
+            "op",
+            "Python loop: isfinite(g).all() + g.mul_(inv) per tensor, one sync",
+            NaiveRunner,
+            # Three passes and a bool temporary per tensor: seconds a step for 100 M parameters.
+            max_cpu_bytes=128 << 20,
+        ),
+        Method(
+            "apex",
+            "apex multi_tensor_scale",
+            "op",
+            "apex amp_C.multi_tensor_scale per dtype + overflow .item()",
+            ApexRunner,
+            present=lambda d: amp_C is not None and is_gpu(d),
+        ),
+        Method(
+            "floor-mul",
+            "floor: _foreach_mul_",
+            "floor",
+            "memory floor: in-place torch._foreach_mul_ over the same gradients",
+            ForeachMulFloor,
+        ),
+        Method(
+            "floor-copy",
+            "floor: device copy",
+            "floor",
+            "memory floor: device-to-device copy of the gradient buffers (GPU only)",
+            CopyFloor,
+            present=is_gpu,
+        ),
+    )
+}
+COMPARED = tuple(n for n, m in METHODS.items() if m.kind != "floor")
+FLOORS = tuple(n for n, m in METHODS.items() if m.kind == "floor")
+
+
+def select(names: list[str] | None, device: torch.device) -> list[Method]:
+    """The methods to run: ``names`` (or all compared ones), plus every floor, present ones only."""
+    wanted = list(names) if names else list(COMPARED)
+    wanted += [f for f in FLOORS if f not in wanted]
+    return [METHODS[n] for n in wanted if METHODS[n].present(device)]

@@ -1,0 +1,204 @@
+"""Runs every selected method on one workload and turns the timings into result records."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks import profiling
+from benchmarks.env import is_gpu
+from benchmarks.methods import Method, Runner
+from benchmarks.timing import MethodTiming, TimingConfig, measure
+from benchmarks.workloads import Workload, build
+
+
+@dataclass
+class Context:
+    """What every question needs: where, how long, which methods, where progress goes."""
+
+    device: torch.device
+    timing: TimingConfig
+    methods: list[Method]
+    quick: bool = False
+    profile: bool = True
+    progress: Any = None  # a tqdm bar, advanced once per workload
+    notes: list[str] = field(default_factory=list)
+
+    def tick(self, n: int = 1) -> None:
+        if self.progress is not None:
+            self.progress.update(n)
+
+    def describe(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.set_postfix_str(text[:60], refresh=False)
+
+
+@dataclass
+class Record:
+    """One (question, workload, method) result; times in seconds, bandwidth in GB/s (1e9 B/s)."""
+
+    question: str
+    workload: str
+    family: str
+    dtype: str
+    inject_inf: bool
+    n_tensors: int
+    numel: int
+    grad_bytes: int
+    method: str
+    kind: str
+    status: str = "ok"  # ok | n/a | skipped | error
+    note: str = ""
+    median_s: float | None = None
+    q1_s: float | None = None
+    q3_s: float | None = None
+    samples: int = 0
+    bytes_moved: int = 0
+    gbps: float | None = None
+    x_floor: float | None = None  # median / median of the _foreach_mul_ floor
+    x_copy: float | None = None  # copy-floor GB/s / this GB/s (GPU)
+    speedup_vs_torch: float | None = None  # torch.amp.GradScaler median / this median
+    device_median_s: float | None = None
+    device_q1_s: float | None = None
+    device_q3_s: float | None = None
+    device_gbps: float | None = None
+    device_x_copy: float | None = None
+    device_speedup_vs_torch: float | None = None
+    workload_wall_s: float | None = None  # the whole workload: build, warm-up, rounds, profile
+    ops: int | None = None
+    items: int | None = None
+    launches: int | None = None
+    syncs: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.median_s is not None
+
+    @property
+    def iqr_s(self) -> float | None:
+        if self.q1_s is None or self.q3_s is None:
+            return None
+        return self.q3_s - self.q1_s
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["iqr_s"] = self.iqr_s
+        return d
+
+
+def available_bytes(device: torch.device) -> int:
+    if is_gpu(device):
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def _base(question: str, w: Workload, m: Method) -> Record:
+    return Record(
+        question=question,
+        workload=w.name,
+        family=w.family,
+        dtype=w.dtype,
+        inject_inf=w.inject_inf,
+        n_tensors=w.n_tensors,
+        numel=w.numel,
+        grad_bytes=w.grad_bytes,
+        method=m.name,
+        kind=m.kind,
+    )
+
+
+def run_workload(
+    ctx: Context, question: str, w: Workload, methods: list[Method] | None = None
+) -> list[Record]:
+    """Builds ``w`` on the device, times ``methods`` (default: the context's) interleaved,
+    counts their ops, and derives GB/s, ratio to the floors and speedup over torch."""
+    methods = methods if methods is not None else ctx.methods
+    t0 = time.perf_counter()
+    records = {m.name: _base(question, w, m) for m in methods}
+    ctx.describe(w.label)
+    need = 2 * w.grad_bytes + (64 << 20)
+    if need > 0.8 * available_bytes(ctx.device):
+        for r in records.values():
+            r.status, r.note = "skipped", f"needs {need / 2**30:.1f} GiB of memory"
+        return list(records.values())
+
+    gs = build(w, ctx.device)
+    runners: dict[str, Runner] = {}
+    for m in methods:
+        reason = m.unavailable(w, ctx.device)
+        if m.max_cpu_bytes is not None and not is_gpu(ctx.device):
+            limit = m.max_cpu_bytes // (4 if ctx.quick else 1)
+            if w.grad_bytes > limit:
+                reason = f"skipped on CPU above {limit / 2**20:.0f} MiB of gradients (time budget)"
+        if reason:
+            records[m.name].status, records[m.name].note = "n/a", reason
+            continue
+        try:
+            runners[m.name] = m.factory(gs)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            records[m.name].status = "error"
+            records[m.name].note = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    timings = measure(gs, runners, ctx.timing)
+    for name, t in timings.items():
+        _fill_timing(records[name], t, runners[name].bytes_moved(gs))
+    if ctx.profile:
+        ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
+        try:
+            counts = profiling.count(gs, ok)
+        except Exception as e:  # noqa: BLE001 - counts are optional
+            ctx.notes.append(f"profiler failed on {w.label}: {type(e).__name__}: {e}"[:200])
+            counts = {}
+        for name, c in counts.items():
+            rec = records[name]
+            rec.ops, rec.items, rec.launches, rec.syncs = c.ops, c.items, c.launches, c.syncs
+    gs.release()
+    del gs, runners
+    gc.collect()
+    if is_gpu(ctx.device):
+        torch.cuda.empty_cache()
+    _derive(list(records.values()))
+    for r in records.values():
+        r.workload_wall_s = round(time.perf_counter() - t0, 2)
+    return list(records.values())
+
+
+def _fill_timing(rec: Record, t: MethodTiming, nbytes: int) -> None:
+    if t.error is not None:
+        rec.status, rec.note = "error", t.error
+        return
+    if t.host.n == 0:
+        rec.status, rec.note = "error", "no samples"
+        return
+    rec.median_s, rec.q1_s, rec.q3_s, rec.samples = t.host.median, t.host.q1, t.host.q3, t.host.n
+    rec.bytes_moved = nbytes
+    rec.gbps = nbytes / rec.median_s / 1e9
+    if t.device is not None and t.device.n:
+        rec.device_median_s = t.device.median
+        rec.device_q1_s, rec.device_q3_s = t.device.q1, t.device.q3
+        rec.device_gbps = nbytes / rec.device_median_s / 1e9
+
+
+def _derive(recs: list[Record]) -> None:
+    """Ratios within one workload's records."""
+    by = {r.method: r for r in recs if r.ok}
+    floor, copy, ref = by.get("floor-mul"), by.get("floor-copy"), by.get("torch")
+    for r in by.values():
+        if floor is not None:
+            r.x_floor = r.median_s / floor.median_s  # type: ignore[operator]
+        if copy is not None and r.gbps:
+            r.x_copy = copy.gbps / r.gbps  # type: ignore[operator]
+            if copy.device_gbps and r.device_gbps:
+                r.device_x_copy = copy.device_gbps / r.device_gbps
+        if ref is not None and r.kind != "floor":
+            r.speedup_vs_torch = ref.median_s / r.median_s  # type: ignore[operator]
+            if ref.device_median_s and r.device_median_s:
+                r.device_speedup_vs_torch = ref.device_median_s / r.device_median_s

@@ -1,0 +1,299 @@
+"""Gradient sets to benchmark: model parameter shape lists written out here (no downloads) and
+synthetic count/size sweeps, turned into real gradients attached to parameters of a no-op
+optimizer.
+
+A :class:`GradSet` keeps every gradient as a view into one flat buffer per dtype plus a pristine
+copy of it, so restoring all gradients between timed runs is one copy per dtype (untimed) and the
+scaled values never drift into subnormals however many steps are timed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+Shape = tuple[int, ...]
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+# "mixed": each tensor takes one of these at random (fixed seed): every dtype ends up with large
+# and small tensors and about a third of the bytes (a round robin would follow the period of the
+# shape list, e.g. all ResNet convolutions fp32).
+MIXED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIXED_SEED = 0
+DTYPE_NAMES = (*DTYPES, "mixed")
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# The default scale of torch.amp.GradScaler, used by every method.
+INIT_SCALE = 2.0**16
+# Gradients are stored as (value * INIT_SCALE) with value ~ N(0, 1e-3): the scaled magnitudes stay
+# far below the float16 maximum and the unscaled ones are normal numbers in every dtype.
+GRAD_STD = 2.0**-10
+# Each tensor starts on a 64-byte boundary of its flat buffer (aligned vector paths apply).
+ALIGN_BYTES = 64
+
+
+# --------------------------------------------------------------------------- shape lists
+def gpt2_124m() -> list[Shape]:
+    """GPT-2 small (124M) as in Hugging Face ``GPT2LMHeadModel`` (lm_head tied to wte;
+    Conv1D weights stored (in, out)): 148 tensors, 124,439,808 parameters."""
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes: list[Shape] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,)]  # ln_1 weight, bias
+        shapes += [(d, 3 * d), (3 * d,)]  # attn.c_attn
+        shapes += [(d, d), (d,)]  # attn.c_proj
+        shapes += [(d,), (d,)]  # ln_2
+        shapes += [(d, 4 * d), (4 * d,)]  # mlp.c_fc
+        shapes += [(4 * d, d), (d,)]  # mlp.c_proj
+    shapes += [(d,), (d,)]  # ln_f
+    return shapes
+
+
+def llama(
+    layers: int, hidden: int, intermediate: int, vocab: int, heads: int, kv_heads: int
+) -> list[Shape]:
+    """A Llama-style decoder (RMSNorm, SwiGLU MLP, grouped-query attention, untied lm_head),
+    weights stored (out, in) as in ``nn.Linear``, no biases."""
+    kv = hidden // heads * kv_heads
+    shapes: list[Shape] = [(vocab, hidden)]  # embed_tokens
+    for _ in range(layers):
+        shapes += [(hidden,)]  # input_layernorm
+        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]  # q, k, v, o
+        shapes += [(hidden,)]  # post_attention_layernorm
+        shapes += [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate)]
+    shapes += [(hidden,), (vocab, hidden)]  # norm, lm_head
+    return shapes
+
+
+def llama_1b() -> list[Shape]:
+    """16 layers, hidden 2048, 32 heads / 8 KV heads, intermediate 8192, vocab 32000: 147 tensors,
+    1,104,218,112 parameters."""
+    return llama(16, 2048, 8192, 32000, 32, 8)
+
+
+def llama_7b() -> list[Shape]:
+    """Llama-2-7B: 32 layers, hidden 4096, 32 heads (no GQA), intermediate 11008, vocab 32000:
+    291 tensors, 6,738,415,616 parameters."""
+    return llama(32, 4096, 11008, 32000, 32, 32)
+
+
+def resnet50() -> list[Shape]:
+    """torchvision ``resnet50`` (bottleneck v1.5, 1000 classes): conv weights (out, in, kh, kw),
+    BatchNorm weight and bias (running stats are buffers, not parameters): 161 tensors,
+    25,557,032 parameters."""
+    shapes: list[Shape] = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True):
+        for b in range(blocks):
+            out = width * 4
+            shapes += [(width, inplanes, 1, 1), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            shapes += [(out, width, 1, 1), (out,), (out,)]
+            if b == 0:  # downsample: 1x1 conv + BatchNorm
+                shapes += [(out, inplanes, 1, 1), (out,), (out,)]
+            inplanes = out
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def bert_base() -> list[Shape]:
+    """``bert-base-uncased`` (``BertModel`` with pooler): 199 tensors, 109,482,240 parameters."""
+    d, ff, vocab = 768, 3072, 30522
+    shapes: list[Shape] = [(vocab, d), (512, d), (2, d), (d,), (d,)]
+    for _ in range(12):
+        shapes += [(d, d), (d,)] * 3  # query, key, value
+        shapes += [(d, d), (d,), (d,), (d,)]  # attention.output dense + LayerNorm
+        shapes += [(ff, d), (ff,)]  # intermediate.dense
+        shapes += [(d, ff), (d,), (d,), (d,)]  # output dense + LayerNorm
+    shapes += [(d, d), (d,)]  # pooler
+    return shapes
+
+
+def vit_b16() -> list[Shape]:
+    """ViT-B/16 at 224x224 (timm ``vit_base_patch16_224``, 1000 classes): 152 tensors,
+    86,567,656 parameters."""
+    d, ff = 768, 3072
+    shapes: list[Shape] = [(1, 1, d), (1, 197, d), (d, 3, 16, 16), (d,)]
+    for _ in range(12):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)]  # norm1, attn.qkv, attn.proj
+        shapes += [(d,), (d,), (ff, d), (ff,), (d, ff), (d,)]  # norm2, mlp.fc1, mlp.fc2
+    shapes += [(d,), (d,), (1000, d), (1000,)]
+    return shapes
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    title: str
+    shapes: Callable[[], list[Shape]]
+    gpu_only: bool = False
+
+
+MODELS: dict[str, Model] = {
+    m.name: m
+    for m in (
+        Model("gpt2-124m", "GPT-2 124M", gpt2_124m),
+        Model("llama-1b", "Llama-style 1B", llama_1b),
+        Model("llama-7b", "Llama-2 7B", llama_7b, gpu_only=True),
+        Model("resnet50", "ResNet-50", resnet50),
+        Model("bert-base", "BERT-base", bert_base),
+        Model("vit-b16", "ViT-B/16", vit_b16),
+    )
+}
+
+
+def uniform(count: int, numel: int) -> list[Shape]:
+    return [(numel,)] * count
+
+
+def numel_of(shapes: Sequence[Shape]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+# --------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Workload:
+    """One gradient set: a shape list, a dtype spec and whether one element is inf."""
+
+    name: str  # e.g. "gpt2-124m", "count=1000 x 1024", "size=2^20 x 8"
+    shapes: tuple[Shape, ...]
+    dtype: str = "fp32"  # fp32 | fp16 | bf16 | mixed
+    inject_inf: bool = False
+    family: str = "model"  # model | count | size | target
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shapes)
+
+    def dtypes(self) -> list[torch.dtype]:
+        if self.dtype == "mixed":
+            rng = random.Random(MIXED_SEED)
+            return [MIXED_DTYPES[rng.randrange(len(MIXED_DTYPES))] for _ in self.shapes]
+        return [DTYPES[self.dtype]] * len(self.shapes)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage (each element once)."""
+        return sum(
+            math.prod(s) * torch.empty((), dtype=dt).element_size()
+            for s, dt in zip(self.shapes, self.dtypes(), strict=True)
+        )
+
+    @property
+    def unscale_bytes(self) -> int:
+        """Bytes moved by one unscale pass: every element read and written (8 B per fp32)."""
+        return 2 * self.grad_bytes
+
+    def has(self, dtype: torch.dtype) -> bool:
+        return dtype in self.dtypes()
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.dtype}" + (" +inf" if self.inject_inf else "")
+
+
+class NoOpOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step`` does nothing: what remains of ``scaler.step`` is the scaler."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        return None
+
+
+@dataclass
+class GradSet:
+    """Gradients of one workload on one device, attached as ``.grad`` of parameters."""
+
+    workload: Workload
+    device: torch.device
+    grads: list[torch.Tensor]
+    params: list[torch.nn.Parameter]
+    optimizer: NoOpOptimizer
+    flats: dict[torch.dtype, torch.Tensor]
+    pristine: dict[torch.dtype, torch.Tensor]
+    groups: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
+
+    def restore(self) -> None:
+        """Copy the pristine scaled gradients back (call outside the timed region)."""
+        for dt, flat in self.flats.items():
+            flat.copy_(self.pristine[dt])
+
+    def release(self) -> None:
+        self.grads.clear()
+        self.params.clear()
+        self.groups.clear()
+        self.flats.clear()
+        self.pristine.clear()
+        self.optimizer.param_groups.clear()
+
+
+def _fill(flat: torch.Tensor, gen: torch.Generator) -> None:
+    # A random block tiled over the buffer: cheap for billions of elements, and the values are
+    # what matters (none of the methods depends on the position of a value).
+    block = 1 << 20
+    base = (torch.randn(block, generator=gen) * (GRAD_STD * INIT_SCALE)).to(flat.device)
+    n = flat.numel()
+    for start in range(0, n, block):
+        end = min(n, start + block)
+        flat[start:end].copy_(base[: end - start])
+
+
+def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
+    """Allocate the gradients of ``workload`` on ``device`` (2x its gradient bytes in all)."""
+    dtypes = workload.dtypes()
+    offsets: list[int] = []
+    used: dict[torch.dtype, int] = {}
+    for shape, dt in zip(workload.shapes, dtypes, strict=True):
+        align = ALIGN_BYTES // torch.empty((), dtype=dt).element_size()
+        start = -(-used.get(dt, 0) // align) * align
+        offsets.append(start)
+        used[dt] = start + math.prod(shape)
+    gen = torch.Generator().manual_seed(seed)
+    flats: dict[torch.dtype, torch.Tensor] = {}
+    for dt, n in used.items():
+        flats[dt] = torch.empty(n, dtype=dt, device=device)
+        _fill(flats[dt], gen)
+    grads = [
+        flats[dt][off : off + math.prod(shape)].view(shape)
+        for shape, dt, off in zip(workload.shapes, dtypes, offsets, strict=True)
+    ]
+    if workload.inject_inf and grads:
+        g = grads[len(grads) // 2].view(-1)
+        g[g.numel() // 2] = float("inf")
+    pristine = {dt: f.clone() for dt, f in flats.items()}
+    # Parameters are views of the pristine buffers: the right shape, dtype and device, no extra
+    # memory; the no-op optimizer never writes them.
+    params = []
+    for shape, dt, off in zip(workload.shapes, dtypes, offsets, strict=True):
+        p = torch.nn.Parameter(pristine[dt][off : off + math.prod(shape)].view(shape))
+        params.append(p)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.dtype, []).append(g)
+    return GradSet(
+        workload=workload,
+        device=device,
+        grads=grads,
+        params=params,
+        optimizer=NoOpOptimizer(params),
+        flats=flats,
+        pristine=pristine,
+        groups=groups,
+    )

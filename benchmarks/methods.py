@@ -129,7 +129,26 @@ class AmpfusedOpRunner(Runner):
         )
 
 
-class NaiveRunner(Runner):
+class _HostScaleRunner(Runner):
+    """A scaler whose scale is a Python float (hand-written loops, apex): torch's update rule
+    applied on the host after one sync per step."""
+
+    def reset(self) -> None:
+        self.scale = INIT_SCALE
+        self.tracker = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= BACKOFF
+            self.tracker = 0
+            return
+        self.tracker += 1
+        if self.tracker == INTERVAL:
+            self.scale *= GROWTH
+            self.tracker = 0
+
+
+class NaiveRunner(_HostScaleRunner):
     """What one writes by hand: per tensor an isfinite check and a ``mul_``, the scale a Python
     float, one host sync to decide the skip."""
 
@@ -137,27 +156,16 @@ class NaiveRunner(Runner):
         self.grads = list(gs.grads)
         self.reset()
 
-    def reset(self) -> None:
-        self.scale = INIT_SCALE
-        self.tracker = 0
-
     def run(self) -> None:
         inv = 1.0 / self.scale
         finite = []
         for g in self.grads:
             finite.append(torch.isfinite(g).all())
             g.mul_(inv)
-        if not bool(torch.stack(finite).all()):
-            self.scale *= BACKOFF
-            self.tracker = 0
-        else:
-            self.tracker += 1
-            if self.tracker == INTERVAL:
-                self.scale *= GROWTH
-                self.tracker = 0
+        self.update(not bool(torch.stack(finite).all()))
 
 
-class ApexRunner(Runner):
+class ApexRunner(_HostScaleRunner):
     """NVIDIA apex's ``amp_C.multi_tensor_scale`` per dtype (scale passed as a host float, as
     apex's loss scaler does), then its overflow check: one ``.item()`` per step."""
 
@@ -166,23 +174,12 @@ class ApexRunner(Runner):
         self.overflow = torch.zeros(1, dtype=torch.int32, device=gs.device)
         self.reset()
 
-    def reset(self) -> None:
-        self.scale = INIT_SCALE
-        self.tracker = 0
-
     def run(self) -> None:
         self.overflow.zero_()
         inv = 1.0 / self.scale
         for grads in self.groups:
             multi_tensor_applier(amp_C.multi_tensor_scale, self.overflow, [grads, grads], inv)
-        if self.overflow.item():
-            self.scale *= BACKOFF
-            self.tracker = 0
-        else:
-            self.tracker += 1
-            if self.tracker == INTERVAL:
-                self.scale *= GROWTH
-                self.tracker = 0
+        self.update(bool(self.overflow.item()))
 
 
 # --------------------------------------------------------------------------- floors

@@ -268,7 +268,7 @@ def test_unscale_matches_torch(device, dtype, inv):
     # Nothing found: found_inf is left as it was, garbage included.
     assert run_unscale(clean, device, inv, found_preset=3.0) == 3.0
     dirty = [rand_values(n, dtype, g, device) for n in (1, 33, 4097)]
-    dirty[2][[0, 100, 2049, 4096]] = torch.tensor([NAN, INF, -INF, NAN], dtype=dtype)
+    dirty[2][[0, 100, 2049, 4096]] = torch.tensor([NAN, INF, -INF, NAN], dtype=dtype, device=device)
     assert run_unscale(dirty, device, inv) == 1.0
 
 

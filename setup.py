@@ -8,13 +8,27 @@ Environment knobs (all optional):
 """
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
 
 from setuptools import setup
+from setuptools.errors import LinkError
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_build_check():
+    # By file path: the ampfused package imports its compiled extension, which does not exist yet.
+    path = os.path.join(ROOT, "ampfused", "_build_check.py")
+    spec = importlib.util.spec_from_file_location("_ampfused_build_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_build_check = _load_build_check()
 
 
 def _find_cuda_home() -> str | None:
@@ -39,6 +53,11 @@ if _cuda_home:
 
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
+
+# The shared libstdc++ torch runs on, named on the link line so that the driver's implicit
+# -lstdc++ has nothing left to resolve: a toolchain whose library path holds only a static
+# libstdc++.a (e.g. a wrapper adding -B<prefix>/) then cannot link a private copy into _C.
+_TORCH_LIBSTDCXX = _build_check.loaded_libstdcxx()
 
 
 def _want_cuda() -> bool:
@@ -72,7 +91,7 @@ def extensions():
         "csrc/cpu/unscale_cpu.cpp",
     ]
     cxx = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
-    extra_link = ["-fopenmp"]
+    extra_link = ["-fopenmp"] + ([_TORCH_LIBSTDCXX] if _TORCH_LIBSTDCXX else [])
     if not with_cuda:
         return [
             cpp_extension.CppExtension(
@@ -102,7 +121,27 @@ def extensions():
     ]
 
 
+class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's build_ext, then a check that the linked extension carries no libstdc++ of its own."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        built = self.get_ext_fullpath(ext.name)
+        problems = _build_check.libstdcxx_problems(built)
+        if not problems:
+            return
+        # Never leave a crashing extension behind: neither the one just linked nor the copy an
+        # in-place build would have replaced.
+        self.inplace, inplace = True, self.inplace
+        in_tree = self.get_ext_fullpath(ext.name)
+        self.inplace = inplace
+        for path in {built, in_tree}:
+            if os.path.exists(path):
+                os.remove(path)
+        raise LinkError(_build_check.failure_message(built, problems, _TORCH_LIBSTDCXX))
+
+
 setup(
     ext_modules=extensions(),
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension},
 )

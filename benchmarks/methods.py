@@ -2,7 +2,8 @@
 
 Each method is a runner with ``run()`` (the timed work of one optimizer step) and ``reset()``
 (untimed: puts its loss-scale state back to the default 2^16, so the scale never drifts however
-many steps are timed; the gradients are restored by the GradSet).
+many steps are timed; the gradients are restored by the GradSet).  Runners keep the GradSet's own
+gradient lists (not copies): a realloc workload refills them with new tensors at every restore.
 
 scaler kind: ``unscale_(opt); step(opt); update()`` with a no-op optimizer.
 op kind:     the raw unscale + check + scale-update ops a hand-written scaler would call.
@@ -108,7 +109,7 @@ class AmpfusedOpRunner(Runner):
 
     def __init__(self, gs: GradSet) -> None:
         dev = gs.device
-        self.grads = list(gs.grads)
+        self.grads = gs.grads
         self.found_inf = torch.zeros((), device=dev)
         self.scale = torch.full((), INIT_SCALE, device=dev)
         self.tracker = torch.zeros((), dtype=torch.int32, device=dev)
@@ -153,7 +154,7 @@ class NaiveRunner(_HostScaleRunner):
     float, one host sync to decide the skip."""
 
     def __init__(self, gs: GradSet) -> None:
-        self.grads = list(gs.grads)
+        self.grads = gs.grads
         self.reset()
 
     def run(self) -> None:
@@ -232,6 +233,12 @@ def _torch_na(w: Workload, d: torch.device) -> str | None:
     return None
 
 
+def _copy_na(w: Workload, d: torch.device) -> str | None:
+    if w.realloc:
+        return "the copy floor does not depend on how gradients are allocated (see same-grads)"
+    return None
+
+
 def _ampfused_na(w: Workload, d: torch.device) -> str | None:
     if w.has(torch.float16) and not hasattr(ampfused.GradScaler, "_fused_found_inf"):
         return "float16 grads: the scaler raises ValueError (no allow_fp16 hook)"
@@ -302,6 +309,7 @@ METHODS: dict[str, Method] = {
             "floor",
             "memory floor: device-to-device copy of the gradient buffers (GPU only)",
             CopyFloor,
+            _copy_na,
             present=is_gpu,
         ),
     )

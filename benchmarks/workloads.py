@@ -4,7 +4,9 @@ optimizer.
 
 A :class:`GradSet` keeps every gradient as a view into one flat buffer per dtype plus a pristine
 copy of it, so restoring all gradients between timed runs is one copy per dtype (untimed) and the
-scaled values never drift into subnormals however many steps are timed.
+scaled values never drift into subnormals however many steps are timed.  A ``realloc`` workload
+instead replaces every gradient by a freshly allocated tensor at each restore, as a training loop
+with ``optimizer.zero_grad(set_to_none=True)`` (torch's default) followed by ``backward()`` does.
 """
 
 from __future__ import annotations
@@ -168,6 +170,10 @@ class Workload:
     dtype: str = "fp32"  # fp32 | fp16 | bf16 | mixed
     inject_inf: bool = False
     family: str = "model"  # model | count | size | target
+    # False: the same gradient tensors every step (zero_grad(set_to_none=False), or gradients
+    # that live in a persistent buffer).  True: new gradient tensors every step, as after
+    # zero_grad(set_to_none=True) + backward(); where they land is the allocator's choice.
+    realloc: bool = False
 
     @property
     def n_tensors(self) -> int:
@@ -201,7 +207,11 @@ class Workload:
 
     @property
     def label(self) -> str:
-        return f"{self.name} {self.dtype}" + (" +inf" if self.inject_inf else "")
+        return (
+            f"{self.name} {self.dtype}"
+            + (" +inf" if self.inject_inf else "")
+            + (" realloc" if self.realloc else "")
+        )
 
 
 class NoOpOptimizer(torch.optim.Optimizer):
@@ -217,7 +227,11 @@ class NoOpOptimizer(torch.optim.Optimizer):
 
 @dataclass
 class GradSet:
-    """Gradients of one workload on one device, attached as ``.grad`` of parameters."""
+    """Gradients of one workload on one device, attached as ``.grad`` of parameters.
+
+    ``grads`` and the lists in ``groups`` are updated in place by :meth:`restore` (a realloc
+    workload puts new tensors in them), so a runner may hold on to these lists.
+    """
 
     workload: Workload
     device: torch.device
@@ -227,16 +241,61 @@ class GradSet:
     flats: dict[torch.dtype, torch.Tensor]
     pristine: dict[torch.dtype, torch.Tensor]
     groups: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
+    # realloc: the pristine values of each dtype's gradients, as views in gradient order, and
+    # each gradient's (dtype, index in its group).
+    pristine_groups: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
+    grad_slots: list[tuple[torch.dtype, int]] = field(default_factory=list)
+    reallocs: int = 0  # realloc restores so far
+    pointer_changes: int = 0  # of those after the first, how many changed the pointer list
+    _last_pointers: tuple[int, ...] | None = None
 
     def restore(self) -> None:
-        """Copy the pristine scaled gradients back (call outside the timed region)."""
+        """Put the pristine scaled gradients back (call outside the timed region): one copy per
+        dtype into the same tensors, or (realloc) new tensors holding the pristine values."""
+        if self.workload.realloc:
+            self._realloc()
+            return
         for dt, flat in self.flats.items():
             flat.copy_(self.pristine[dt])
 
+    def _realloc(self) -> None:
+        # zero_grad(set_to_none=True): the old gradients are released first ...
+        for p in self.params:
+            p.grad = None
+        self.grads.clear()
+        for lst in self.groups.values():
+            lst.clear()
+        # ... then backward() allocates one new tensor per parameter, the last layers first.  A
+        # foreach multiply by 1 (exact in every dtype) allocates them from the device's allocator
+        # and fills them in a few calls instead of a Python loop.
+        for dt, src in self.pristine_groups.items():
+            self.groups[dt].extend(torch._foreach_mul(src[::-1], 1.0)[::-1])
+        for p, (dt, k) in zip(self.params, self.grad_slots, strict=True):
+            g = self.groups[dt][k]
+            p.grad = g
+            self.grads.append(g)
+        pointers = tuple(g.data_ptr() for g in self.grads)
+        if self._last_pointers is not None and pointers != self._last_pointers:
+            self.pointer_changes += 1
+        self._last_pointers = pointers
+        self.reallocs += 1
+
+    @property
+    def pointer_change_rate(self) -> float | None:
+        """realloc: the share of restores (after the first) whose gradient pointer list differed
+        from the previous one, i.e. that a cache keyed by pointers would miss."""
+        if not self.workload.realloc or self.reallocs < 2:
+            return None
+        return self.pointer_changes / (self.reallocs - 1)
+
     def release(self) -> None:
+        for p in self.params:
+            p.grad = None
         self.grads.clear()
         self.params.clear()
         self.groups.clear()
+        self.pristine_groups.clear()
+        self.grad_slots.clear()
         self.flats.clear()
         self.pristine.clear()
         self.optimizer.param_groups.clear()
@@ -285,9 +344,13 @@ def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
+    pristine_groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    slots: list[tuple[torch.dtype, int]] = []
+    for p, g in zip(params, grads, strict=True):
+        slots.append((g.dtype, len(groups.get(g.dtype, []))))
         groups.setdefault(g.dtype, []).append(g)
-    return GradSet(
+        pristine_groups.setdefault(g.dtype, []).append(p.detach())
+    gs = GradSet(
         workload=workload,
         device=device,
         grads=grads,
@@ -296,4 +359,13 @@ def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
         flats=flats,
         pristine=pristine,
         groups=groups,
+        pristine_groups=pristine_groups if workload.realloc else {},
+        grad_slots=slots if workload.realloc else [],
     )
+    if workload.realloc:
+        # The gradients become separate allocations from here on; the flat buffers go (no local
+        # view may keep one alive through the first restore).
+        g = p = None
+        flats.clear()
+        gs.restore()
+    return gs

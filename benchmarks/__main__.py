@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from benchmarks import targets as tg
 from benchmarks.env import RESULTS, CpuShare, default_device, device_slug, header, is_gpu
 from benchmarks.methods import COMPARED, METHODS, select
 from benchmarks.suite import Context, Record
-from benchmarks.timing import FULL_TIMING, QUICK_TIMING
+from benchmarks.timing import FULL_TIMING, QUICK_TIMING, TIMING_MODES, batched
 from benchmarks.workloads import DTYPE_NAMES, MODELS
 
 QUESTIONS = ("step_cost", "models", "counts", "sizes", "e2e")
@@ -89,6 +90,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="models question: with and/or without one injected inf (default: both)",
     )
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<device>)")
+    p.add_argument(
+        "--timing",
+        choices=TIMING_MODES,
+        default="auto",
+        help="per-step: one synchronized sample per step; batched: loops of steps with one "
+        "sync at the end, restores subtracted (default auto: batched on GPU, per-step on CPU)",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler op counts")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = Context(
         device=device,
-        timing=QUICK_TIMING if args.quick else FULL_TIMING,
+        timing=dataclasses.replace(QUICK_TIMING if args.quick else FULL_TIMING, mode=args.timing),
         methods=select(args.methods, device),
         quick=args.quick,
         profile=not args.no_profile,
@@ -173,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         "Gradients are restored from a pristine copy and every scale reset to 2^16 before each "
         "timed step (untimed). torch-ops groups the lists by dtype once, outside the timing."
     )
+    if batched(ctx.timing, device):
+        notes.append(
+            "Batched timing: each sample times a loop of consecutive steps (restore, reset, "
+            "step) with one synchronization at the end, minus the same loop without the step; "
+            "the restores run on the device's stream like the rest, and their cost per step is "
+            "reported as 'restore (subtracted)'. A step with a host sync inside it (both "
+            "scalers' step(), naive, apex) drains the device every step, as in training."
+        )
 
     # Plan: configs per question, for the progress bar's total.
     plan: dict[str, Any] = {}
@@ -215,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             if q == "step_cost":
                 sc_ctx = Context(
                     device=device,
-                    timing=step_cost.QUICK_TIMING if args.quick else step_cost.TIMING,
+                    timing=dataclasses.replace(
+                        step_cost.QUICK_TIMING if args.quick else step_cost.TIMING,
+                        mode=args.timing,
+                    ),
                     methods=ctx.methods,
                     quick=args.quick,
                     profile=ctx.profile,
@@ -258,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                 + "). Rerun on an idle machine for clean numbers.",
             )
 
+    if any(r.realloc for r in records):
+        notes.append(
+            "realloc rows: every restore replaces each gradient by a new tensor (zero_grad"
+            "(set_to_none=True), then one allocation per parameter, last layer first, as "
+            "backward does); the note gives how often the allocator returned a different "
+            "pointer list (ampfused's CUDA metadata table is cached by pointer list)."
+        )
     notes += ctx.notes
     for r in records:
         if r.status == "error":

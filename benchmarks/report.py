@@ -68,11 +68,19 @@ def fmt_bytes(n: int) -> str:
 
 
 def _workload_key(r: Record) -> tuple:
-    return (r.workload, r.dtype, r.inject_inf)
+    return (r.workload, r.dtype, r.inject_inf, r.realloc)
 
 
 def _label(r: Record) -> str:
-    return f"{r.workload} {r.dtype}" + (" +inf" if r.inject_inf else "")
+    return (
+        f"{r.workload} {r.dtype}"
+        + (" +inf" if r.inject_inf else "")
+        + (" realloc" if r.realloc else "")
+    )
+
+
+def _batched(records: Sequence[Record]) -> bool:
+    return any(r.timing == "batched" for r in records)
 
 
 def _cell(r: Record | None) -> str:
@@ -104,15 +112,15 @@ def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
     methods = [m for m in METHODS if any(r.method == m for r in records)]
     headers = ["workload", "tensors", "grad bytes"] + [METHODS[m].name for m in methods]
     headers += ["ampfused GB/s", "ampfused x floor", "torch x floor"]
+    batched = _batched(records)
     if gpu:
-        headers += [
-            "ampfused x copy",
-            "device: ampfused",
-            "device: torch",
-            "launches a/t",
-            "syncs a/t",
-        ]
+        headers += ["ampfused x copy"]
+        if batched:
+            headers += ["host: ampfused", "host: torch"]
+        headers += ["device: ampfused", "device: torch", "launches a/t", "syncs a/t"]
     else:
+        if batched:
+            headers += ["host: ampfused", "host: torch"]
         headers += ["ops a/t", "item() a/t"]
     headers += ["speedup vs torch"]
     rows = []
@@ -127,15 +135,23 @@ def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
             fmt_x(t.x_floor) if t and t.ok else "-",
         ]
 
+        hosts = [
+            fmt_time(a.host_median_s) if a and a.ok else "-",
+            fmt_time(t.host_median_s) if t and t.ok else "-",
+        ]
         if gpu:
+            row += [fmt_x(a.x_copy) if a and a.ok else "-"]
+            if batched:
+                row += hosts
             row += [
-                fmt_x(a.x_copy) if a and a.ok else "-",
                 fmt_time(a.device_median_s) if a and a.ok else "-",
                 fmt_time(t.device_median_s) if t and t.ok else "-",
                 _pair(a, t, "launches"),
                 _pair(a, t, "syncs"),
             ]
         else:
+            if batched:
+                row += hosts
             row += [_pair(a, t, "ops"), _pair(a, t, "items")]
         row += [fmt_x(a.speedup_vs_torch, 1) if a and a.ok and a.speedup_vs_torch else "-"]
         rows.append(row)
@@ -144,9 +160,14 @@ def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
 
 def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
     """Every record: median, IQR, samples, GB/s, ratios, counts, status."""
+    batched = _batched(records)
     headers = ["workload", "method", "median", "IQR", "n", "GB/s", "x floor"]
+    if batched:
+        headers += ["steps/sample", "host median", "restore (subtracted)"]
     if gpu:
         headers += ["x copy", "device median", "device GB/s", "launches", "syncs"]
+        if batched:
+            headers += ["restore device", "spin overruns"]
     else:
         headers += ["ops", "item()"]
     headers += ["speedup vs torch", "note"]
@@ -161,6 +182,12 @@ def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
             fmt_gbps(r.gbps),
             fmt_x(r.x_floor),
         ]
+        if batched:
+            row += [
+                r.steps_per_sample or "-",
+                fmt_time(r.host_median_s),
+                fmt_time(r.restore_median_s),
+            ]
         if gpu:
             row += [
                 fmt_x(r.x_copy),
@@ -169,6 +196,11 @@ def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
                 "-" if r.launches is None else r.launches,
                 "-" if r.syncs is None else r.syncs,
             ]
+            if batched:
+                row += [
+                    fmt_time(r.restore_device_median_s),
+                    "-" if r.spin_overruns is None else f"{r.spin_overruns}/{r.samples}",
+                ]
         else:
             row += ["-" if r.ops is None else r.ops, "-" if r.items is None else r.items]
         row += [fmt_x(r.speedup_vs_torch, 1), r.note]
@@ -293,13 +325,17 @@ def plot_sizes(records: Sequence[Record], path: Path, title: str) -> Path | None
     return path
 
 
+def _plot_label(r: Record) -> str:
+    return f"{r.workload}\n{r.dtype}" + (" realloc" if r.realloc else "")
+
+
 def plot_models(records: Sequence[Record], path: Path, title: str) -> Path | None:
     recs = [r for r in records if r.question == "models" and not r.inject_inf]
     if not recs:
         return None
     labels = []
     for r in recs:
-        lab = f"{r.workload}\n{r.dtype}"
+        lab = _plot_label(r)
         if lab not in labels:
             labels.append(lab)
     methods = [m for m in METHODS if METHODS[m].kind != "floor" and m != "torch"]
@@ -309,7 +345,7 @@ def plot_models(records: Sequence[Record], path: Path, title: str) -> Path | Non
     for i, m in enumerate(methods):
         ys = []
         for lab in labels:
-            r = next((r for r in recs if f"{r.workload}\n{r.dtype}" == lab and r.method == m), None)
+            r = next((r for r in recs if _plot_label(r) == lab and r.method == m), None)
             ys.append(r.speedup_vs_torch if r is not None and r.speedup_vs_torch else math.nan)
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(labels))]
         ax1.bar(xs, ys, width=width, color=COLORS[m], label=METHODS[m].label)
@@ -324,7 +360,7 @@ def plot_models(records: Sequence[Record], path: Path, title: str) -> Path | Non
     for i, m in enumerate(floor_methods):
         ys = []
         for lab in labels:
-            r = next((r for r in recs if f"{r.workload}\n{r.dtype}" == lab and r.method == m), None)
+            r = next((r for r in recs if _plot_label(r) == lab and r.method == m), None)
             ys.append(r.x_floor if r is not None and r.x_floor else math.nan)
         xs = [j + (i - (len(floor_methods) - 1) / 2) * width2 for j in range(len(labels))]
         ax2.bar(xs, ys, width=width2, color=COLORS[m], label=METHODS[m].label)
@@ -402,6 +438,30 @@ def header_table(header: dict[str, Any], tablefmt: str) -> str:
     )
 
 
+def method_text(records: Sequence[Record]) -> str:
+    """How the tables' times were taken, for the top of results.md."""
+    common = (
+        "GB/s = bytes read + written (8 B per fp32 element for an unscale) / median time; "
+        "*x floor* = time / time of an in-place `torch._foreach_mul_` over the same gradients "
+        "in the same run; *speedup* = torch.amp.GradScaler time / this time. *realloc* rows: "
+        "new gradient tensors every step, as after `zero_grad(set_to_none=True)`."
+    )
+    if not _batched(records):
+        return (
+            "Times are per optimizer step, host wall time including device completion, median "
+            "over interleaved rounds (IQR = interquartile range); " + common
+        )
+    return (
+        "Times are per optimizer step, timed as a training loop runs: each sample is a batch "
+        "of consecutive steps (*steps/sample*) with one device synchronization at the end, "
+        "minus a batch of the same untimed gradient restores without the steps; median over "
+        "interleaved rounds (IQR = interquartile range). *host* = CPU time to queue one step "
+        "(launches, Python, host syncs inside the step); *device* = device time of one step "
+        "from CUDA events, the batch queued behind a device spin (a step with a host sync "
+        "inside also pays the device's idle time while the host turns around). " + common
+    )
+
+
 def markdown(
     *,
     header: dict[str, Any],
@@ -419,13 +479,7 @@ def markdown(
 ) -> str:
     md: list[str] = []
     md.append(f"# ampfused benchmarks: {header['device_name']}\n")
-    md.append(
-        f"`{command}`, {elapsed_s:.0f} s. Times are per optimizer step, host wall time including "
-        "device completion, median over interleaved rounds (IQR = interquartile range); "
-        "GB/s = bytes read + written (8 B per fp32 element for an unscale) / median time; "
-        "*x floor* = time / time of an in-place `torch._foreach_mul_` over the same gradients "
-        "in the same run; *speedup* = torch.amp.GradScaler time / this time.\n"
-    )
+    md.append(f"`{command}`, {elapsed_s:.0f} s. " + method_text(records) + "\n")
     md.append("## Environment\n")
     md.append(header_table(header, "github") + "\n")
     if errors:

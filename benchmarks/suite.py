@@ -40,7 +40,12 @@ class Context:
 
 @dataclass
 class Record:
-    """One (question, workload, method) result; times in seconds, bandwidth in GB/s (1e9 B/s)."""
+    """One (question, workload, method) result; times in seconds, bandwidth in GB/s (1e9 B/s).
+
+    ``median_s`` is the step's cost: per-step timing (CPU): host wall time of one step including
+    device completion; batched timing (GPU): what one step adds to a loop of steps with one
+    synchronization at the end (see :mod:`benchmarks.timing`).  Batched records also carry the
+    step's host (CPU-side) cost and the subtracted restore's cost."""
 
     question: str
     workload: str
@@ -52,6 +57,7 @@ class Record:
     grad_bytes: int
     method: str
     kind: str
+    realloc: bool = False  # new gradient tensors every step (zero_grad(set_to_none=True))
     status: str = "ok"  # ok | n/a | skipped | error
     note: str = ""
     median_s: float | None = None
@@ -69,6 +75,17 @@ class Record:
     device_gbps: float | None = None
     device_x_copy: float | None = None
     device_speedup_vs_torch: float | None = None
+    timing: str | None = None  # per-step | batched
+    steps_per_sample: int | None = None  # batched: steps in one timed batch
+    host_median_s: float | None = None  # batched: CPU-side cost of queueing one step
+    host_q1_s: float | None = None
+    host_q3_s: float | None = None
+    host_speedup_vs_torch: float | None = None
+    restore_median_s: float | None = None  # batched: untimed restore + reset per step (subtracted)
+    restore_device_median_s: float | None = None
+    device_steps_per_sample: int | None = None
+    spin_overruns: int | None = None  # device samples whose spin ran out before the host queued
+    pointer_change_rate: float | None = None  # realloc: share of steps with new grad addresses
     workload_wall_s: float | None = None  # the whole workload: build, warm-up, rounds, profile
     ops: int | None = None
     items: int | None = None
@@ -113,6 +130,7 @@ def _base(question: str, w: Workload, m: Method) -> Record:
         grad_bytes=w.grad_bytes,
         method=m.name,
         kind=m.kind,
+        realloc=w.realloc,
     )
 
 
@@ -150,6 +168,12 @@ def run_workload(
     timings = measure(gs, runners, ctx.timing)
     for name, t in timings.items():
         _fill_timing(records[name], t, runners[name].bytes_moved(gs))
+    if w.realloc:
+        for r in records.values():
+            r.pointer_change_rate = gs.pointer_change_rate
+            if r.status == "ok" and r.pointer_change_rate is not None:
+                note = f"new gradient addresses in {r.pointer_change_rate:.0%} of steps"
+                r.note = f"{r.note}; {note}" if r.note else note
     if ctx.profile:
         ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
         try:
@@ -175,16 +199,32 @@ def _fill_timing(rec: Record, t: MethodTiming, nbytes: int) -> None:
     if t.error is not None:
         rec.status, rec.note = "error", t.error
         return
-    if t.host.n == 0:
+    if t.wall.n == 0:
         rec.status, rec.note = "error", "no samples"
         return
-    rec.median_s, rec.q1_s, rec.q3_s, rec.samples = t.host.median, t.host.q1, t.host.q3, t.host.n
+    rec.timing, rec.steps_per_sample = t.mode, t.steps
+    rec.median_s, rec.q1_s, rec.q3_s, rec.samples = t.wall.median, t.wall.q1, t.wall.q3, t.wall.n
+    if rec.median_s <= 0:
+        # Batched: the step's cost vanished in the noise of the restores subtracted from it.
+        rec.status = "n/a"
+        rec.note = f"below resolution: median {rec.median_s * 1e6:.2f} us per step (<= 0)"
+        rec.median_s = None
+        return
     rec.bytes_moved = nbytes
     rec.gbps = nbytes / rec.median_s / 1e9
+    if t.host is not None and t.host.n:
+        rec.host_median_s, rec.host_q1_s, rec.host_q3_s = t.host.median, t.host.q1, t.host.q3
+    if t.restore is not None and t.restore.n:
+        rec.restore_median_s = t.restore.median
+    if t.restore_device is not None and t.restore_device.n:
+        rec.restore_device_median_s = t.restore_device.median
     if t.device is not None and t.device.n:
+        rec.device_steps_per_sample = t.device_steps
+        rec.spin_overruns = t.spin_overruns
         rec.device_median_s = t.device.median
         rec.device_q1_s, rec.device_q3_s = t.device.q1, t.device.q3
-        rec.device_gbps = nbytes / rec.device_median_s / 1e9
+        if rec.device_median_s > 0:
+            rec.device_gbps = nbytes / rec.device_median_s / 1e9
 
 
 def _derive(recs: list[Record]) -> None:
@@ -200,5 +240,7 @@ def _derive(recs: list[Record]) -> None:
                 r.device_x_copy = copy.device_gbps / r.device_gbps
         if ref is not None and r.kind != "floor":
             r.speedup_vs_torch = ref.median_s / r.median_s  # type: ignore[operator]
-            if ref.device_median_s and r.device_median_s:
+            if ref.device_median_s and r.device_median_s and r.device_median_s > 0:
                 r.device_speedup_vs_torch = ref.device_median_s / r.device_median_s
+            if ref.host_median_s and r.host_median_s and r.host_median_s > 0:
+                r.host_speedup_vs_torch = ref.host_median_s / r.host_median_s

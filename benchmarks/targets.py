@@ -23,11 +23,27 @@ class TargetResult:
         return {True: "PASS", False: "FAIL", None: "not yet measured"}[self.passed]
 
 
-def _get(records: list[Record], question: str, workload: str, method: str) -> Record | None:
+def _get(
+    records: list[Record], question: str, workload: str, method: str, realloc: bool = False
+) -> Record | None:
     for r in records:
-        if r.question == question and r.workload == workload and r.method == method and r.ok:
+        if (
+            r.question == question
+            and r.workload == workload
+            and r.method == method
+            and r.realloc == realloc
+            and r.ok
+        ):
             return r
     return None
+
+
+def _where(r: Record) -> str:
+    return (
+        f"{r.workload} {r.dtype}"
+        + (" +inf" if r.inject_inf else "")
+        + (" realloc" if r.realloc else "")
+    )
 
 
 def cpu_targets(records: list[Record]) -> list[TargetResult]:
@@ -72,7 +88,7 @@ def cpu_targets(records: list[Record]) -> list[TargetResult]:
 def slower_than_torch(records: list[Record]) -> list[Record]:
     """ampfused scaler records slower than torch's beyond noise (interquartile ranges apart)."""
     torch_by = {
-        (r.question, r.workload, r.dtype, r.inject_inf): r
+        (r.question, r.workload, r.dtype, r.inject_inf, r.realloc): r
         for r in records
         if r.method == "torch" and r.ok
     }
@@ -80,7 +96,7 @@ def slower_than_torch(records: list[Record]) -> list[Record]:
     for r in records:
         if r.method != "ampfused" or not r.ok:
             continue
-        t = torch_by.get((r.question, r.workload, r.dtype, r.inject_inf))
+        t = torch_by.get((r.question, r.workload, r.dtype, r.inject_inf, r.realloc))
         if t is not None and r.q1_s > t.q3_s:  # type: ignore[operator]
             bad.append(r)
     return bad
@@ -98,9 +114,7 @@ def never_slower(records: list[Record]) -> TargetResult:
         else "no workload with both scalers"
     )
     if bad:
-        detail += "; slower on: " + ", ".join(
-            f"{r.question}:{r.workload} {r.dtype}" for r in bad[:6]
-        )
+        detail += "; slower on: " + ", ".join(f"{r.question}:{_where(r)}" for r in bad[:6])
     return TargetResult(
         "never slower than torch",
         "on every workload, ampfused.GradScaler not slower than torch.amp.GradScaler "
@@ -132,7 +146,7 @@ def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[Targe
                 req,
                 f"{frac:.0%}",
                 frac >= 0.9,
-                f"worst: {worst.question}:{worst.workload} {worst.dtype}",
+                f"worst: {worst.question}:{_where(worst)}",
             )
         )
     else:
@@ -151,7 +165,7 @@ def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[Targe
                 req,
                 f"{worst.speedup_vs_torch:.2f}x",
                 worst.speedup_vs_torch >= 5.0,  # type: ignore[operator]
-                f"worst: {worst.question}:{worst.workload} {worst.dtype}",
+                f"worst: {worst.question}:{_where(worst)}",
             )
         )
     else:

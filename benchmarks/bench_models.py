@@ -34,11 +34,11 @@ class ModelConfig:
     model: str
     dtype: str
     inject_inf: bool
+    realloc: bool = False
 
     def workload(self) -> Workload:
-        return Workload(
-            self.model, tuple(MODELS[self.model].shapes()), self.dtype, self.inject_inf, "model"
-        )
+        shapes = tuple(MODELS[self.model].shapes())
+        return Workload(self.model, shapes, self.dtype, self.inject_inf, "model", self.realloc)
 
 
 def configs(
@@ -47,10 +47,13 @@ def configs(
     dtypes: list[str] | None,
     infs: list[bool] | None,
 ) -> tuple[list[ModelConfig], list[str]]:
-    """The configs to run and notes about those left out."""
+    """The configs to run and notes about those left out.  On a GPU every model's fp32 set
+    without inf also runs with gradients reallocated every step (ampfused's CUDA metadata table
+    is cached by gradient pointers); on CPU that case is in the step_cost question."""
     gpu = ctx.device.type == "cuda"
     if ctx.quick and models is None and dtypes is None and infs is None:
-        return [ModelConfig(*c) for c in QUICK_CONFIGS], []
+        quick = [ModelConfig(*c) for c in QUICK_CONFIGS]
+        return quick + ([ModelConfig(*QUICK_CONFIGS[0], realloc=True)] if gpu else []), []
     models = models or list(QUICK_MODELS if ctx.quick else DEFAULT_MODELS)
     dtypes = dtypes or (["fp32", "mixed"] if ctx.quick else list(DTYPE_NAMES))
     inf_default = infs is None
@@ -76,6 +79,8 @@ def configs(
                     notes.append(note)
                 continue
         out.append(cfg)
+        if gpu and dtype == "fp32" and not inf:
+            out.append(ModelConfig(model, dtype, inf, realloc=True))
     return out, notes
 
 

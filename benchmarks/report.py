@@ -534,6 +534,18 @@ def markdown(
     return "\n".join(md)
 
 
+GPU_METHOD_MD = """\
+How a GPU run measures them (benchmarks/README.md, "Method"): steps are timed as a training loop
+runs them, a batch of consecutive steps with one device synchronization at the end, minus the
+same batch of untimed gradient restores without the steps: the only synchronizations counted
+are those inside a step (both scalers' step() reads found_inf back). *many tensors* and *never
+slower* compare that per-step cost (host and device together) and include the rows whose
+gradients are new tensors every step (realloc, as after `zero_grad(set_to_none=True)`);
+*bandwidth* uses device time from CUDA events; *end-to-end* times chunks of consecutive
+training steps.
+"""
+
+
 def gpu_targets_md(
     results: list[TargetResult], header: dict[str, Any] | None, slug: str | None
 ) -> str:
@@ -543,6 +555,7 @@ def gpu_targets_md(
             "Not yet measured: no GPU was available to the runs so far. `python -m benchmarks` "
             "on a GPU machine measures them and rewrites this file.\n"
         )
+        md.append(GPU_METHOD_MD)
     else:
         md.append(
             f"Measured on {header['device_name']} (torch {header['torch']}, CUDA "

@@ -18,31 +18,51 @@ bool is_supported_dtype(c10::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
+// Exception types follow torch's ops for the same input (a subclass where ours is more
+// specific), so `except RuntimeError:` keeps working: TORCH_CHECK (RuntimeError) where torch's
+// kernels check (numel, dtype, device of the state tensors and gradients),
+// TORCH_CHECK_NOT_IMPLEMENTED (NotImplementedError, a RuntimeError) where torch has no kernel
+// (sparse or other non-strided layouts, which the dispatcher rejects; integer, bool, complex and
+// float8 gradients, which its dtype dispatch rejects), TORCH_CHECK_TYPE (TypeError) for an
+// undefined tensor, which torch's Python binding rejects as None.
+
 // A one-element state tensor: scale, inv_scale, found_inf, growth tracker and their pending twins.
 void check_state(const at::Tensor& t, const char* name, c10::ScalarType dtype,
                  const at::Device& device) {
-  TORCH_CHECK_VALUE(t.defined(), name, " is undefined; pass a one-element ", dtype, " tensor");
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got ",
-                    t.layout());
-  TORCH_CHECK_VALUE(t.numel() == 1, name, " must have exactly one element (e.g. torch.zeros(()))",
-                    ", got shape ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be a ", dtype, " tensor, got ",
-                   t.scalar_type(), "; create it with dtype=torch.",
-                   dtype == at::kInt ? "int32" : "float32");
+  TORCH_CHECK_TYPE(t.defined(), name, " is undefined (None); pass a one-element ", dtype,
+                   " tensor");
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, name,
+                              " must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK(t.numel() == 1, name, " must have exactly one element (e.g. torch.zeros(()))",
+              ", got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be a ", dtype, " tensor, got ",
+              t.scalar_type(), "; create it with dtype=torch.",
+              dtype == at::kInt ? "int32" : "float32");
   TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but found_inf is on ", device,
               "; keep the scale, found_inf and growth tracker on the device of the gradients");
 }
 
+// found_inf first: its device is the one every other argument is checked against.
+at::Device check_found_inf(const at::Tensor& found_inf) {
+  TORCH_CHECK_TYPE(found_inf.defined(),
+                   "found_inf is undefined (None); pass a one-element Float tensor");
+  check_state(found_inf, "found_inf", at::kFloat, found_inf.device());
+  return found_inf.device();
+}
+
+// Every gradient is checked before any is written, so a bad one leaves the list unchanged
+// (torch's kernels unscale the tensors before it first).
 void check_grads(at::TensorList grads, const at::Device& device) {
   for (const auto i : c10::irange(grads.size())) {
     const at::Tensor& g = grads[i];
-    TORCH_CHECK_VALUE(g.defined(), "grads[", i, "] is undefined (None); leave it out of the list");
-    TORCH_CHECK_VALUE(g.layout() == at::kStrided, "grads[", i, "] has layout ", g.layout(),
-                      "; pass dense tensors (for a sparse COO gradient pass grad._values())");
-    TORCH_CHECK_TYPE(is_supported_dtype(g.scalar_type()), "grads[", i, "] has dtype ",
-                     g.scalar_type(),
-                     "; only float16, bfloat16, float32 and float64 gradients can be unscaled "
-                     "(integer and complex gradients are not supported)");
+    TORCH_CHECK_TYPE(g.defined(), "grads[", i, "] is undefined (None); leave it out of the list");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        g.layout() == at::kStrided, "grads[", i, "] has layout ", g.layout(),
+        "; pass dense tensors (for a sparse COO gradient pass grad._values())");
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        is_supported_dtype(g.scalar_type()), "grads[", i, "] has dtype ", g.scalar_type(),
+        "; only float16, bfloat16, float32 and float64 gradients can be unscaled "
+        "(integer, bool, complex and float8 gradients are not supported)");
     TORCH_CHECK(g.device() == device, "grads[", i, "] is on ", g.device(), " but found_inf is on ",
                 device,
                 "; pass the gradients of one device per call, with found_inf and the scale on "
@@ -133,9 +153,9 @@ void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassArgs&
 
 void non_finite_check_and_unscale_(at::TensorList grads, const at::Tensor& found_inf,
                                    const at::Tensor& inv_scale) {
-  check_state(found_inf, "found_inf", at::kFloat, found_inf.device());
-  check_state(inv_scale, "inv_scale", at::kFloat, found_inf.device());
-  check_grads(grads, found_inf.device());
+  const at::Device device = check_found_inf(found_inf);
+  check_state(inv_scale, "inv_scale", at::kFloat, device);
+  check_grads(grads, device);
   PassArgs a{};
   a.scale = inv_scale.const_data_ptr<float>();
   a.scale_is_inverse = true;
@@ -144,8 +164,7 @@ void non_finite_check_and_unscale_(at::TensorList grads, const at::Tensor& found
 }
 
 void non_finite_check_(at::TensorList grads, const at::Tensor& found_inf) {
-  check_state(found_inf, "found_inf", at::kFloat, found_inf.device());
-  check_grads(grads, found_inf.device());
+  check_grads(grads, check_found_inf(found_inf));
   PassArgs a{};
   a.scale = found_inf.const_data_ptr<float>();  // never read: nothing is scaled
   a.scale_is_inverse = true;
@@ -159,8 +178,7 @@ void unscale_update_scale_(at::TensorList grads, const at::Tensor& found_inf,
                            const at::Tensor& next_scale, const at::Tensor& next_growth_tracker,
                            double growth_factor, double backoff_factor, int64_t growth_interval,
                            bool check_only, bool accumulate) {
-  const at::Device device = found_inf.device();
-  check_state(found_inf, "found_inf", at::kFloat, device);
+  const at::Device device = check_found_inf(found_inf);
   check_state(scale, "scale", at::kFloat, device);
   check_state(growth_tracker, "growth_tracker", at::kInt, device);
   check_state(next_scale, "next_scale", at::kFloat, device);
@@ -191,18 +209,13 @@ namespace {
 
 // Autograd-key kernels.  Without them every call takes torch's boxed autograd fallback, which
 // converts the whole gradient list to IValues and back (most of the per-tensor cost for
-// thousands of small gradients).  These stay unboxed: refuse inputs that would need a
-// derivative, run the backend kernel below autograd, and bump the version counters of what was
-// mutated, which is the ADInplaceOrView kernel's job.
-
-void check_no_grad_needed(at::TensorList grads) {
-  if (!at::GradMode::is_enabled()) return;
-  for (const auto i : c10::irange(grads.size())) {
-    TORCH_CHECK(!grads[i].requires_grad(), "grads[", i,
-                "] requires grad; the ampfused ops are not differentiable and modify gradients "
-                "in place: call them under torch.no_grad()");
-  }
-}
+// thousands of small gradients).  These stay unboxed: run the backend kernel below autograd, and
+// bump the version counters of what was mutated, which is the ADInplaceOrView kernel's job.
+//
+// Gradients that require grad (after backward(create_graph=True)) are unscaled in place like any
+// other, as torch's ops do: the ops are not differentiable and record nothing in the graph.
+// Unlike torch's ops, the version bump lets autograd refuse a later backward through a node
+// that saved such a gradient before it was unscaled, instead of silently using the new values.
 
 void bump(const at::Tensor& t) {
   if (!t.is_inference()) torch::autograd::impl::bump_version(t);
@@ -217,7 +230,6 @@ void non_finite_check_and_unscale_autograd(at::TensorList grads, const at::Tenso
                                            const at::Tensor& inv_scale) {
   using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&);
   static const auto op = handle<Sig>("ampfused::non_finite_check_and_unscale_");
-  check_no_grad_needed(grads);
   {
     const at::AutoDispatchBelowADInplaceOrView below;
     op.call(grads, found_inf, inv_scale);
@@ -245,7 +257,6 @@ void unscale_update_scale_autograd(at::TensorList grads, const at::Tensor& found
   using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
   static const auto op = handle<Sig>("ampfused::unscale_update_scale_");
-  if (!check_only) check_no_grad_needed(grads);
   {
     const at::AutoDispatchBelowADInplaceOrView below;
     op.call(grads, found_inf, scale, growth_tracker, next_scale, next_growth_tracker,
@@ -282,7 +293,8 @@ TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
 }
 
 // A sparse argument routes the call to a sparse dispatch key; the same wrappers run there so
-// their layout checks reject it with a message that names the argument.
+// their layout checks reject it with a message that names the argument (NotImplementedError, the
+// type of the dispatcher's "Could not run ... SparseCPU" that torch's ops raise).
 #define AMPFUSED_REJECT_LAYOUT(KEY)                                                        \
   TORCH_LIBRARY_IMPL(ampfused, KEY, m) {                                                   \
     m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_);     \

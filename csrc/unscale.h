@@ -38,7 +38,13 @@
 // stride permutation, any storage offset) are processed in place; non-dense ones (gaps or
 // overlapping elements) through a gather/scatter of their distinct memory locations, so each
 // location is unscaled exactly once.  Zero-size grads and empty lists are fine.  No op syncs
-// with the host.
+// with the host.  Every argument is checked before anything is written, so a rejected call
+// changes nothing (torch's kernels unscale the grads before a bad one).  A rejected input raises
+// the exception type torch's ops raise for it, or a subclass: RuntimeError for a state tensor's
+// dtype, element count or device and for a gradient on another device; NotImplementedError (a
+// RuntimeError) for sparse arguments and for integer, bool, complex and float8 gradients;
+// TypeError for an undefined (None) tensor.  Gradients that require grad are unscaled in place,
+// as torch's ops do.
 //
 // Differences from torch, on purpose: bfloat16 works on CUDA; float64 grads are tested for
 // finiteness in float64 on CUDA too (torch's CUDA kernel narrows them to float32 first, so it

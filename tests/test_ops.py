@@ -894,35 +894,78 @@ def zeros(*shape: int, dtype: torch.dtype = F32):
     return lambda d: torch.zeros(shape, dtype=dtype, device=d)
 
 
+def none(d: str) -> None:
+    return None
+
+
 def grads_with(dtype: torch.dtype, first_ok: bool = True):
     """A grads list whose last tensor has dtype (after a good one if first_ok)."""
     return lambda d: [torch.ones(4, device=d)] * first_ok + [torch.zeros(3, device=d).to(dtype)]
 
 
+def copy_arg(v):
+    if v is None:
+        return None
+    return clones(v) if isinstance(v, list) else v.clone()
+
+
+def torch_call(op: str, arg: str, a: dict, device: str) -> None:
+    """torch's op that takes the role of `arg` in `call(op, a)`, on copies: the oracle for the
+    exception type.  grads, found_inf and inv_scale go to the foreach unscale (inv_scale 1 for
+    the check-only op, as torch's check pass uses); scale and growth_tracker to the scale update,
+    and next_scale / next_growth_tracker too, in the places of the tensors it writes."""
+    c = {k: copy_arg(v) for k, v in a.items()}
+    if arg in ("grads", "found_inf", "inv_scale"):
+        inv = c["inv_scale"] if op == "unscale" else scalar(1.0, device)
+        torch._amp_foreach_non_finite_check_and_unscale_(c["grads"], c["found_inf"], inv)
+    else:
+        scale = c["next_scale"] if arg == "next_scale" else c["scale"]
+        tracker = c["next_growth_tracker"] if arg == "next_growth_tracker" else c["growth_tracker"]
+        torch._amp_update_scale_(scale, tracker, c["found_inf"], 2.0, 0.5, 1)
+
+
+def torch_error(op: str, arg: str, a: dict, device: str) -> BaseException:
+    with pytest.raises(Exception) as info:
+        torch_call(op, arg, a, device)
+    return info.value
+
+
 I32, I64 = torch.int32, torch.int64
 ALL, UNSCALE, FUSED = OP_NAMES, ("unscale",), ("fused",)
-# (ops, argument, bad value factory, exception, start of the message)
+RTE, NotImpl = RuntimeError, NotImplementedError
+# (ops, argument, bad value factory, our exception, start of our message).  Our exception is
+# torch's for the same input or a subclass of it (the test checks against torch's op): torch's
+# kernels raise RuntimeError for a state tensor's dtype or element count, its dtype dispatch
+# NotImplementedError for a gradient dtype it has no kernel for, its Python binding TypeError
+# for None.
 BAD_INPUTS = [
-    (ALL, "found_inf", zeros(dtype=F64), TypeError, "found_inf must be a Float tensor, got Double"),
-    (ALL, "found_inf", zeros(dtype=I32), TypeError, "found_inf must be a Float tensor, got Int"),
-    (ALL, "found_inf", zeros(2), ValueError, r"found_inf must have exactly one element.*\[2\]"),
-    (ALL, "found_inf", zeros(0), ValueError, r"found_inf must have exactly one element.*\[0\]"),
-    (UNSCALE, "inv_scale", zeros(dtype=F64), TypeError, "inv_scale must be a Float tensor"),
-    (UNSCALE, "inv_scale", zeros(dtype=F16), TypeError, "inv_scale must be a Float tensor"),
-    (UNSCALE, "inv_scale", zeros(2), ValueError, "inv_scale must have exactly one element"),
-    (FUSED, "scale", zeros(dtype=F64), TypeError, "scale must be a Float tensor"),
-    (FUSED, "scale", zeros(dtype=BF16), TypeError, "scale must be a Float tensor"),
-    (FUSED, "scale", zeros(1, 2), ValueError, "scale must have exactly one element"),
-    (FUSED, "growth_tracker", zeros(dtype=I64), TypeError, "growth_tracker must be a Int.*int32"),
-    (FUSED, "growth_tracker", zeros(), TypeError, "growth_tracker must be a Int tensor.*int32"),
-    (FUSED, "growth_tracker", zeros(3, dtype=I32), ValueError, "growth_tracker must have exactly"),
-    (FUSED, "next_scale", zeros(dtype=F64), TypeError, "next_scale must be a Float tensor"),
-    (FUSED, "next_growth_tracker", zeros(dtype=I64), TypeError, "next_growth_tracker must be a"),
-    (ALL, "grads", grads_with(I32, False), TypeError, r"grads\[0\] has dtype Int.*integer and"),
-    (ALL, "grads", grads_with(torch.complex64, False), TypeError, r"grads\[0\] has dtype Complex"),
-    (ALL, "grads", grads_with(I64), TypeError, r"grads\[1\] has dtype Long"),
-    (ALL, "grads", grads_with(torch.bool), TypeError, r"grads\[1\] has dtype Bool"),
-    (ALL, "grads", grads_with(torch.float8_e4m3fn), TypeError, r"grads\[1\] has dtype Float8"),
+    (ALL, "found_inf", zeros(dtype=F64), RTE, "found_inf must be a Float tensor, got Doub"),
+    (ALL, "found_inf", zeros(dtype=I32), RTE, "found_inf must be a Float tensor, got Int"),
+    (ALL, "found_inf", zeros(2), RTE, r"found_inf must have exactly one element.*\[2\]"),
+    (ALL, "found_inf", zeros(0), RTE, r"found_inf must have exactly one element.*\[0\]"),
+    (ALL, "found_inf", none, TypeError, r"found_inf is undefined \(None\)"),
+    (UNSCALE, "inv_scale", zeros(dtype=F64), RTE, "inv_scale must be a Float tensor"),
+    (UNSCALE, "inv_scale", zeros(dtype=F16), RTE, "inv_scale must be a Float tensor"),
+    (UNSCALE, "inv_scale", zeros(2), RTE, "inv_scale must have exactly one element"),
+    (UNSCALE, "inv_scale", none, TypeError, r"inv_scale is undefined \(None\)"),
+    (FUSED, "scale", zeros(dtype=F64), RTE, "scale must be a Float tensor"),
+    (FUSED, "scale", zeros(dtype=BF16), RTE, "scale must be a Float tensor"),
+    (FUSED, "scale", zeros(1, 2), RTE, "scale must have exactly one element"),
+    (FUSED, "scale", none, TypeError, r"scale is undefined \(None\)"),
+    (FUSED, "growth_tracker", zeros(dtype=I64), RTE, "growth_tracker must be a Int.*int32"),
+    (FUSED, "growth_tracker", zeros(), RTE, "growth_tracker must be a Int tensor.*int32"),
+    (FUSED, "growth_tracker", zeros(3, dtype=I32), RTE, "growth_tracker must have exac"),
+    (FUSED, "growth_tracker", none, TypeError, r"growth_tracker is undefined \(None\)"),
+    (FUSED, "next_scale", zeros(dtype=F64), RTE, "next_scale must be a Float tensor"),
+    (FUSED, "next_scale", zeros(2), RTE, "next_scale must have exactly one element"),
+    (FUSED, "next_growth_tracker", zeros(dtype=I64), RTE, "next_growth_tracker must be"),
+    (ALL, "grads", grads_with(I32, False), NotImpl, r"grads\[0\] has dtype Int.*integer, bool"),
+    (ALL, "grads", grads_with(torch.complex64, False), NotImpl, r"grads\[0\] has dtype Complex"),
+    (ALL, "grads", grads_with(torch.complex128), NotImpl, r"grads\[1\] has dtype ComplexDouble"),
+    (ALL, "grads", grads_with(I64), NotImpl, r"grads\[1\] has dtype Long"),
+    (ALL, "grads", grads_with(torch.uint8), NotImpl, r"grads\[1\] has dtype Byte"),
+    (ALL, "grads", grads_with(torch.bool), NotImpl, r"grads\[1\] has dtype Bool"),
+    (ALL, "grads", grads_with(torch.float8_e4m3fn), NotImpl, r"grads\[1\] has dtype Float8"),
 ]
 
 
@@ -930,7 +973,23 @@ def _bad_id(case) -> str:
     _, arg, bad, _, _ = case
     t = bad("cpu")
     t = t[-1] if isinstance(t, list) else t
-    return f"{arg}-{dtype_id(t.dtype)}{list(t.shape)}"
+    return f"{arg}-None" if t is None else f"{arg}-{dtype_id(t.dtype)}{list(t.shape)}"
+
+
+def assert_unchanged(a: dict, before: dict) -> None:
+    """Every argument holds the bits it held before (sparse ones compared densely)."""
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        t = t.to_dense() if t.layout != torch.strided else t
+        return torch.view_as_real(t) if t.is_complex() else t
+
+    for k, v in a.items():
+        if v is None:
+            continue
+        if k == "grads":
+            assert_lists_bits([bits(t) for t in v], [bits(t) for t in before[k]], exact_nan=True)
+        else:
+            assert_bits(bits(v), bits(before[k]), k, exact_nan=True)
 
 
 @pytest.mark.parametrize(
@@ -942,15 +1001,15 @@ def test_bad_inputs_name_the_argument(device, op, case):
     _, arg, bad, exc, match = case
     a = valid_args(device)
     a[arg] = bad(device)
-    before = {k: clones(v) if k == "grads" else v.clone() for k, v in a.items()}
-    with pytest.raises(exc, match="^" + match):  # the message starts with the argument's name
+    before = {k: copy_arg(v) for k, v in a.items()}
+    with pytest.raises(exc, match="^" + match) as info:  # the message starts with the argument
         call(op, a)
+    assert type(info.value) is exc
+    # `except <torch's exception>:` catches ours: the same type or a subclass.
+    theirs = torch_error(op, arg, a, device)
+    assert isinstance(info.value, type(theirs)), (type(info.value), repr(theirs))
     # Arguments are checked before any work: nothing was written.
-    for k, v in a.items():
-        if k == "grads":
-            assert_lists_bits(v, before[k], exact_nan=True)
-        else:
-            assert_bits(v, before[k], k, exact_nan=True)
+    assert_unchanged(a, before)
 
 
 def test_one_element_state_of_any_shape_is_accepted(device):
@@ -962,28 +1021,142 @@ def test_one_element_state_of_any_shape_is_accepted(device):
 
 # Sparse arguments: the ops are registered for the sparse dispatch keys too, only so that the
 # layout checks can name the argument instead of the dispatcher's "Could not run ... SparseCPU".
+# Both are NotImplementedError.
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize(
     "where,match",
     [
         ("grads-coo", r"^grads\[1\] has layout Sparse.*_values\(\)"),
         ("grads-csr", r"^grads\[1\] has layout SparseCsr"),
-        ("found_inf-coo", r"^found_inf must be a dense \(strided\) tensor"),
+        ("found_inf-coo", r"^found_inf must be a dense \(strided\) tensor, got Sparse"),
+        ("inv_scale-coo", r"^inv_scale must be a dense \(strided\) tensor, got Sparse"),
+        ("scale-coo", r"^scale must be a dense \(strided\) tensor, got Sparse"),
     ],
-    ids=["grads-coo", "grads-csr", "found_inf-coo"],
+    ids=["grads-coo", "grads-csr", "found_inf-coo", "inv_scale-coo", "scale-coo"],
 )
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_sparse_arguments_rejected_naming_them(device, op, where, match):
+    arg, layout = where.split("-")
+    if arg == "inv_scale" and op != "unscale" or arg == "scale" and op != "fused":
+        pytest.skip(f"{op} takes no {arg}")
     a = valid_args(device)
     dense = torch.tensor([[0.0, 2.0], [INF, 0.0]], device=device)
-    if where == "grads-coo":
-        a["grads"] = [torch.ones(2, device=device), dense.to_sparse()]
-    elif where == "grads-csr":
-        a["grads"] = [torch.ones(2, device=device), dense.to_sparse_csr()]
+    if arg == "grads":
+        bad = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+        a["grads"] = [torch.ones(2, device=device), bad]
     else:
-        a["found_inf"] = torch.zeros(1, device=device).to_sparse()
-    with pytest.raises(ValueError, match=match):
+        a[arg] = a[arg].reshape(1).to_sparse()
+    before = {k: copy_arg(v) for k, v in a.items()}
+    with pytest.raises(NotImplementedError, match=match) as info:
         call(op, a)
+    theirs = torch_error(op, arg, a, device)
+    assert isinstance(info.value, type(theirs)), (type(info.value), repr(theirs))
+    assert_unchanged(a, before)
+
+
+# Another device than found_inf's.  The dispatcher would route a call with CPU and meta tensors
+# to the meta (fake) kernels, torch's and ours alike, so these redispatch to the CPU kernels
+# directly: the CPU proxy of a call mixing CPU and CUDA tensors.
+CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+OTHER_DEVICE = [
+    ("unscale", "found_inf", r"^inv_scale is on cpu but found_inf is on meta"),
+    ("unscale", "inv_scale", r"^inv_scale is on meta but found_inf is on cpu"),
+    ("unscale", "grads", r"^grads\[1\] is on meta but found_inf is on cpu"),
+    ("check", "found_inf", r"^grads\[0\] is on cpu but found_inf is on meta"),
+    ("fused", "scale", r"^scale is on meta but found_inf is on cpu"),
+    ("fused", "growth_tracker", r"^growth_tracker is on meta but found_inf is on cpu"),
+    ("fused", "next_scale", r"^next_scale is on meta but found_inf is on cpu"),
+    ("fused", "next_growth_tracker", r"^next_growth_tracker is on meta but found_inf is on cpu"),
+]
+AMPFUSED_OPS = {
+    "unscale": torch.ops.ampfused.non_finite_check_and_unscale_.default,
+    "check": torch.ops.ampfused.non_finite_check_.default,
+    "fused": torch.ops.ampfused.unscale_update_scale_.default,
+}
+
+
+@pytest.mark.parametrize("op,arg,match", OTHER_DEVICE, ids=[f"{o}-{a}" for o, a, _ in OTHER_DEVICE])
+def test_argument_on_another_device_cpu_kernel(op, arg, match):
+    a = valid_args("cpu")
+    if arg == "grads":
+        a["grads"] = [torch.ones(4), torch.ones(3, device="meta")]
+    else:
+        a[arg] = a[arg].to("meta")
+    before = {k: copy_arg(v) for k, v in a.items() if k != arg}
+    args = {
+        "unscale": lambda: (a["grads"], a["found_inf"], a["inv_scale"]),
+        "check": lambda: (a["grads"], a["found_inf"]),
+        "fused": lambda: (
+            *(a[k] for k in ("grads", "found_inf", "scale", "growth_tracker", "next_scale")),
+            *(a["next_growth_tracker"], 2.0, 0.5, 1, False, False),
+        ),
+    }[op]()
+    with pytest.raises(RuntimeError, match=match) as info:
+        AMPFUSED_OPS[op].redispatch(CPU_KEYS, *args)
+    assert type(info.value) is RuntimeError
+    if arg in ("grads", "found_inf", "inv_scale"):
+        torch_op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+        torch_args = (clones(a["grads"]), a["found_inf"].clone(), a["inv_scale"].clone())
+    else:  # next_scale / next_growth_tracker in the places of the tensors torch's update writes
+        torch_op = torch.ops.aten._amp_update_scale_.default
+        scale = a["next_scale" if arg == "next_scale" else "scale"].clone()
+        tracker = a["next_growth_tracker" if arg == "next_growth_tracker" else "growth_tracker"]
+        torch_args = (scale, tracker.clone(), a["found_inf"].clone(), 2.0, 0.5, 1)
+    with pytest.raises(Exception) as theirs:
+        torch_op.redispatch(CPU_KEYS, *torch_args)
+    assert isinstance(info.value, type(theirs.value)), (type(info.value), repr(theirs.value))
+    assert_unchanged({k: v for k, v in a.items() if k != arg}, before)
+
+
+# Gradients that require grad (backward(create_graph=True) leaves them so): torch's op unscales
+# them in place under grad mode, and so do ours.
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_grads_that_require_grad_are_unscaled_as_torch_does(device, op):
+    def grads():
+        w = torch.tensor([1.0, 2.0, 3.0], device=device, requires_grad=True)
+        (w * w * 1024.0).sum().backward(create_graph=True)  # w.grad = 2048 w, with a grad_fn
+        leaf = torch.tensor([8.0, INF], device=device, requires_grad=True)
+        return [w.grad, leaf]
+
+    ours, theirs = grads(), grads()
+    assert torch.is_grad_enabled() and all(g.requires_grad for g in ours)
+    a = {**valid_args(device), "grads": ours}
+    call(op, a)
+    inv = a["inv_scale"] if op == "unscale" else scalar(1.0 if op == "check" else 0.5, device)
+    found = scalar(0.0, device)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, inv)
+    if op == "check":  # read-only: the values stay, torch's check pass (inv_scale 1) equals that
+        assert_lists_bits(ours, [t.detach() for t in theirs])
+    else:
+        assert_lists_bits([t.detach() for t in ours], [t.detach() for t in theirs])
+    assert_bits(a["found_inf"], found, "found_inf")
+
+
+# Deliberate difference: a gradient no kernel takes, after good ones, makes torch's CPU kernel
+# unscale the tensors before it and then raise; ours validates the whole list first, so the
+# call raises the same type and changes nothing.
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_unsupported_grad_after_good_ones_changes_nothing(device, op):
+    def grads():
+        return [
+            torch.full((5,), 8.0, device=device),
+            torch.ones(3, dtype=torch.complex64, device=device),
+            torch.full((2,), 8.0, device=device),
+        ]
+
+    a = {**valid_args(device), "grads": grads()}
+    before = {k: copy_arg(v) for k, v in a.items()}
+    with pytest.raises(NotImplementedError, match=r"^grads\[1\] has dtype ComplexFloat"):
+        call(op, a)
+    assert_unchanged(a, before)
+    if device == "cpu":
+        theirs = grads()
+        with pytest.raises(NotImplementedError):
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                theirs, scalar(0.0, device), scalar(0.5, device)
+            )
+        assert theirs[0][0].item() == 4.0  # torch: the first tensor is already unscaled
 
 
 # Several devices in one call: only meaningful with a GPU.

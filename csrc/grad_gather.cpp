@@ -5,7 +5,8 @@
 // take sparse ._values(), group by device - at tens of nanoseconds per parameter, then calls the
 // ops with the gathered lists directly, so no per-parameter Python object is created either.
 // Gradients that are tensor subclasses (DTensor, ...) make it return None: the caller then
-// takes torch's Python path, which dispatches through the subclass.
+// takes torch's Python path, which dispatches through the subclass.  param_groups and each
+// group's 'params' may be any iterable, as in torch's Python loop; a generator is read once.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -68,17 +69,67 @@ std::string where(size_t group, size_t index) {
          std::to_string(index) + "]";
 }
 
-// Returns std::nullopt when some gradient needs torch's Python path (a tensor subclass).
-std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool allow_fp16) {
+// `obj` as a list or tuple (a new reference): lists and tuples as they are, any other iterable
+// (a generator, dict values, ...) read once into a new list, as a Python for loop reads it.
+// `group` names it in the error: -1 for optimizer.param_groups, else that group's 'params'.
+py::object as_sequence(py::handle obj, Py_ssize_t group) {
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (type->tp_iter == nullptr && !PySequence_Check(obj.ptr())) {
+    const std::string what =
+        group < 0 ? "optimizer.param_groups"
+                  : "optimizer.param_groups[" + std::to_string(group) + "]['params']";
+    raise(PyExc_TypeError, what + " must be an iterable, got " + std::string(type->tp_name));
+  }
+  PyObject* seq = PySequence_Fast(obj.ptr(), "");  // errors raised while iterating propagate
+  if (seq == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(seq);
+}
+
+// Before falling back to torch's Python path, which reads optimizer.param_groups again: a
+// group's 'params' that was a one-shot iterator (a generator) has been consumed here, so the
+// list read from it takes its place.  A one-shot param_groups cannot be restored from here.
+void restore_one_shot(py::handle param_groups, const std::vector<py::object>& groups_seq,
+                      const std::vector<std::pair<size_t, py::object>>& consumed) {
+  if (PyIter_Check(param_groups.ptr())) {
+    raise(PyExc_TypeError,
+          "optimizer.param_groups is a one-shot iterator (" +
+              std::string(Py_TYPE(param_groups.ptr())->tp_name) +
+              ") and a gradient needs torch's own unscale path (a tensor subclass or a device "
+              "without ampfused kernels), which reads optimizer.param_groups again; make "
+              "optimizer.param_groups a list");
+  }
+  PyObject** groups = PySequence_Fast_ITEMS(groups_seq.front().ptr());
+  for (const auto& [gi, params] : consumed) {
+    if (PyObject_SetItem(groups[gi], py::str("params").ptr(), params.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+  }
+}
+
+// The gradients of param_groups, grouped by device, plus the Python objects that keep them
+// alive (lists read from iterators).  std::nullopt when some gradient needs torch's Python path
+// (a tensor subclass, or a device without ampfused kernels).
+//
+// Errors, as torch's _unscale_grads_ raises them: a param that is not a tensor (AssertionError)
+// and a float16 grad without allow_fp16 (ValueError) as they are met; a grad that no kernel
+// takes (integer, bool, complex or float8 dtype, a layout other than strided or sparse COO) only
+// after the whole walk (NotImplementedError, which torch's op raises once the loop is done, so
+// a float16 grad anywhere wins).  Either way nothing was unscaled.
+std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool allow_fp16,
+                                                std::vector<py::object>& keep_alive) {
   std::vector<DeviceGrads> out;
-  py::sequence groups = py::reinterpret_borrow<py::sequence>(param_groups);
-  const size_t ngroups = groups.size();
-  for (size_t gi = 0; gi < ngroups; ++gi) {
-    py::object group = groups[gi];
+  keep_alive.push_back(as_sequence(param_groups, -1));
+  PyObject* groups_seq = keep_alive.back().ptr();
+  const Py_ssize_t ngroups = PySequence_Fast_GET_SIZE(groups_seq);
+  std::vector<std::pair<size_t, py::object>> consumed;  // (group, list read from an iterator)
+  std::string unsupported;                              // the first grad no kernel takes
+  bool fallback = false;
+  for (Py_ssize_t gi = 0; gi < ngroups; ++gi) {
+    py::handle group = PySequence_Fast_GET_ITEM(groups_seq, gi);
     py::object params_obj = group["params"];
-    PyObject* seq = PySequence_Fast(params_obj.ptr(), "param_groups[i]['params'] must be a list");
-    if (seq == nullptr) throw py::error_already_set();
-    py::object seq_guard = py::reinterpret_steal<py::object>(seq);
+    keep_alive.push_back(as_sequence(params_obj, gi));
+    PyObject* seq = keep_alive.back().ptr();
+    if (PyIter_Check(params_obj.ptr())) consumed.emplace_back(gi, keep_alive.back());
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -91,7 +142,6 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       const at::Tensor& param = THPVariable_Unpack(obj);
       const at::Tensor& grad = param.grad();
       if (!grad.defined()) continue;
-      if (grad.unsafeGetTensorImpl()->is_python_dispatch()) return std::nullopt;
       const auto dtype = grad.scalar_type();
       if (dtype == at::kHalf && !allow_fp16) {
         raise(PyExc_ValueError,
@@ -100,14 +150,24 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
                   "parameters in float32 and let torch.autocast run float16 math (do not call "
                   "model.half()).");
       }
+      if (!unsupported.empty()) continue;  // it is raised after the walk: only look for the above
       if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
             dtype == at::kDouble)) {
-        // NotImplementedError, as torch's kernel dispatch raises for these dtypes.
-        raise(PyExc_NotImplementedError,
-              "unscaling " + std::string(c10::toString(dtype)) + " gradients is not implemented: " +
-                  where(gi, i) +
-                  ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 and "
-                  "float64 gradients only");
+        unsupported = "unscaling " + std::string(c10::toString(dtype)) +
+                      " gradients is not implemented: " + where(gi, i) +
+                      ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 and "
+                      "float64 gradients only";
+        continue;
+      }
+      if (grad.layout() != at::kStrided && grad.layout() != at::kSparse) {
+        unsupported = where(gi, i) + ".grad has layout " + c10::str(grad.layout()) +
+                      "; GradScaler unscales dense (strided) and sparse COO gradients only";
+        continue;
+      }
+      if (fallback) continue;
+      if (grad.unsafeGetTensorImpl()->is_python_dispatch()) {
+        fallback = true;
+        continue;
       }
       at::Tensor values;  // defined for sparse grads only
       if (grad.layout() == at::kSparse) {
@@ -119,14 +179,13 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
         } else {
           values = grad._values();
         }
-      } else if (grad.layout() != at::kStrided) {
-        raise(PyExc_TypeError, where(gi, i) + ".grad has layout " +
-                                   std::string(c10::toString(grad.layout())) +
-                                   "; GradScaler unscales dense (strided) and sparse COO gradients");
       }
       const at::Device dev = values.defined() ? values.device() : grad.device();
       // Devices without an ampfused kernel (mps, xpu, ...) take torch's own path.
-      if (!(dev.is_cpu() || dev.is_cuda())) return std::nullopt;
+      if (!(dev.is_cpu() || dev.is_cuda())) {
+        fallback = true;
+        continue;
+      }
       DeviceGrads* slot = nullptr;
       for (auto& d : out) {
         if (d.device == dev) slot = &d;
@@ -141,6 +200,11 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
         slot->borrow(grad);
       }
     }
+  }
+  if (!unsupported.empty()) raise(PyExc_NotImplementedError, unsupported);
+  if (fallback) {
+    restore_one_shot(param_groups, keep_alive, consumed);
+    return std::nullopt;
   }
   return out;
 }
@@ -192,7 +256,8 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
                                 const at::Tensor& next_growth_tracker, double growth_factor,
                                 double backoff_factor, int64_t growth_interval, bool check_only,
                                 bool accumulate, bool allow_fp16) {
-  auto groups = collect(param_groups, allow_fp16);
+  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
+  auto groups = collect(param_groups, allow_fp16, keep_alive);
   if (!groups) return std::nullopt;
   const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;
@@ -222,7 +287,8 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
 // (found_inf is OR-ed into; copies of inv_scale/found_inf serve other devices).
 std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& inv_scale,
                                    const at::Tensor& found_inf, bool allow_fp16) {
-  auto groups = collect(param_groups, allow_fp16);
+  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
+  auto groups = collect(param_groups, allow_fp16, keep_alive);
   if (!groups) return std::nullopt;
   const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;

@@ -10,11 +10,14 @@ exceptions are the cross-device tests (``cuda`` only) and the meta-tensor test.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from ampfused import ops, reference
+import ampfused
+from ampfused import _C, ops, reference
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 DTYPES = (F32, F16, BF16, F64)
@@ -1367,3 +1370,179 @@ def test_torch_compile_fullgraph(device, backend):
         assert compiled_in[4].item() == (2.0**15 if has_inf else 2.0**17)
     assert counter.frame_count == 1  # one graph, no recompile for new values
     assert "ampfused.unscale_update_scale_" in str(counter.graphs[0].graph)
+
+
+# ============================================================================================
+# 8. The scaler's C++ walk over param_groups (csrc/grad_gather.cpp, ampfused._C): the oracle is
+# torch.amp.GradScaler._unscale_grads_, which reads nothing of the optimizer but param_groups.
+
+
+def walk_torch(groups, device: str, allow_fp16: bool = False) -> dict:
+    found = scalar(0.0, device)
+    scaler = torch.amp.GradScaler(device)
+    return torch.amp.GradScaler._unscale_grads_(
+        scaler, SimpleNamespace(param_groups=groups), scalar(0.5, device), found, allow_fp16
+    )
+
+
+def walk_ours(groups, device: str, allow_fp16: bool = False, fused: bool = False):
+    if not fused:
+        return _C.unscale_grads(groups, scalar(0.5, device), scalar(0.0, device), allow_fp16)
+    state = [
+        scalar(2.0, device),
+        scalar(0, device, I32),
+        scalar(0.0, device),
+        scalar(0, device, I32),
+    ]
+    return _C.fused_pass(groups, *state, 2.0, 0.5, 2000, False, False, allow_fp16)
+
+
+def param(device: str, dtype: torch.dtype = F32, value: float = 8.0, layout: str = "strided"):
+    """A parameter with a .grad of dtype filled with value (sparse COO or CSR if asked)."""
+    p = torch.zeros(2, 2, dtype=dtype, device=device)
+    g = torch.full((2, 2), value, device=device).to(dtype)
+    if layout == "csr":
+        p, g = p.to_sparse_csr(), g.to_sparse_csr()
+    elif layout == "coo":
+        g = g.to_sparse()
+    p.grad = g
+    return p
+
+
+WALK_BAD = {
+    # name: (grad kinds in order, our exception, start of our message)
+    "complex-between": (
+        [F32, torch.complex64, F32],
+        NotImplementedError,
+        r"unscaling ComplexFloat gradients is not implemented: optimizer.param_groups\[0\]"
+        r"\['params'\]\[1\].grad",
+    ),
+    "int-after": ([F32, I64], NotImplementedError, r"unscaling Long gradients"),
+    "coo-complex": ([F32, "coo-complex"], NotImplementedError, r"unscaling ComplexFloat"),
+    "csr": ([F32, "csr"], NotImplementedError, r"optimizer.param_groups\[0\]\['params'\]\[1\]"),
+    # torch's loop raises for float16 as it meets it and for the dtype only after the loop
+    "complex-then-fp16": ([torch.complex64, F16], ValueError, "Attempting to unscale FP16"),
+    "not-a-tensor": ([F32, "int"], AssertionError, "expected param to be torch.Tensor, got int"),
+}
+
+
+def walk_groups(kinds, device: str) -> list[dict]:
+    params = []
+    for k in kinds:
+        if k == "csr":
+            params.append(param(device, layout="csr"))
+        elif k == "coo-complex":
+            params.append(param(device, torch.complex64, layout="coo"))
+        elif k == "int":
+            params.append(3)
+        else:
+            params.append(param(device, k))
+    return [{"params": params}]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("fused", [False, True], ids=["unscale_grads", "fused_pass"])
+@pytest.mark.parametrize("case", list(WALK_BAD))
+def test_walk_bad_grads_raise_torch_type_and_change_nothing(device, case, fused):
+    kinds, exc, match = WALK_BAD[case]
+    ours, theirs = walk_groups(kinds, device), walk_groups(kinds, device)
+    before = [p.grad.to_dense().clone() for p in ours[0]["params"] if isinstance(p, torch.Tensor)]
+    with pytest.raises(exc, match="^" + match) as info:
+        walk_ours(ours, device, fused=fused)
+    assert type(info.value) is exc
+    with pytest.raises(Exception) as torch_info:
+        walk_torch(theirs, device)
+    assert isinstance(info.value, type(torch_info.value)), (info.value, torch_info.value)
+    after = [p.grad.to_dense() for p in ours[0]["params"] if isinstance(p, torch.Tensor)]
+    for a, b in zip(after, before, strict=True):
+        assert torch.equal(a, b)  # ours validated the whole list first: nothing unscaled
+
+
+def test_scaler_complex_grad_beside_float32_changes_nothing(device):
+    """The deliberate difference, through the public scaler: torch unscales the float32 grads
+    before the complex one and raises; ampfused raises the same type and unscales none."""
+    results = {}
+    for cls in (torch.amp.GradScaler, ampfused.GradScaler):
+        params = walk_groups([F32, torch.complex64, F32], device)[0]["params"]
+        opt = torch.optim.SGD(params, lr=1.0)
+        scaler = cls(device, init_scale=2.0)
+        scaler.scale(torch.ones((), device=device))
+        with pytest.raises(NotImplementedError):
+            scaler.unscale_(opt)
+        results[cls] = [p.grad[0, 0].item() for p in params]
+    assert results[ampfused.GradScaler] == [8.0, 8.0, 8.0]
+    if device == "cpu":
+        assert results[torch.amp.GradScaler] == [4.0, 8.0, 4.0]
+
+
+ITERABLES = {
+    "list": list,
+    "tuple": tuple,
+    "generator": lambda xs: (x for x in xs),
+    "dict-keys": lambda xs: dict.fromkeys(xs).keys(),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unscale_grads", "fused_pass"])
+@pytest.mark.parametrize("params_kind", list(ITERABLES))
+@pytest.mark.parametrize("groups_kind", list(ITERABLES)[:3])
+def test_walk_takes_any_iterable_torch_takes(device, groups_kind, params_kind, fused):
+    def groups():
+        ps = [param(device, dt, 8.0 * (i + 1)) for i, dt in enumerate([F32, F64, BF16, F32])]
+        ps[2].grad[0, 1] = INF
+        g = [{"params": ITERABLES[params_kind](ps[:3])}, {"params": ITERABLES[params_kind](ps[3:])}]
+        return ps, ITERABLES[groups_kind](g)
+
+    (ours, our_groups), (theirs, their_groups) = groups(), groups()
+    found = dict(walk_ours(our_groups, device, fused=fused))
+    expected = walk_torch(their_groups, device)
+    assert_lists_bits([p.grad for p in ours], [p.grad for p in theirs])
+    assert list(found) == list(expected)
+    for dev, f in found.items():
+        assert_bits(f, expected[dev], "found_inf")
+
+
+def test_walk_fallback_after_reading_a_generator_keeps_the_params():
+    """A gradient on a device without ampfused kernels (meta, here) makes the walk return None
+    for torch's path, which reads group['params'] again: a generator read by the walk is
+    replaced by the list it yielded, so torch's walk sees every parameter."""
+    ps = [param("cpu"), param("meta"), param("cpu")]
+    groups = [{"params": (p for p in ps)}]
+    assert walk_ours(groups, "cpu") is None
+    kept = groups[0]["params"]  # the same objects, in order, as a list
+    assert type(kept) is list and all(a is b for a, b in zip(kept, ps, strict=True))
+    found = walk_torch(groups, "cpu")
+    assert [p.grad[0, 0].item() for p in (ps[0], ps[2])] == [4.0, 4.0]
+    assert set(found) == {torch.device("cpu"), torch.device("meta")}
+    # A generator of groups cannot be put back: refused, naming the fix (the scaler reads
+    # optimizer.param_groups into a list first, so only a direct caller can get here).
+    with pytest.raises(TypeError, match="optimizer.param_groups is a one-shot iterator"):
+        walk_ours((g for g in [{"params": [param("meta")]}]), "cpu")
+
+
+@pytest.mark.parametrize(
+    "groups,match",
+    [(5, r"^optimizer.param_groups must be an iterable, got int"), ([{"params": 5}], r"^opt")],
+    ids=["param_groups", "params"],
+)
+def test_walk_non_iterable_raises_type_error_as_torch(groups, match):
+    with pytest.raises(TypeError, match=match):
+        walk_ours(groups, "cpu")
+    with pytest.raises(TypeError):
+        walk_torch(groups, "cpu")
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("fused", [False, True], ids=["unscale_grads", "fused_pass"])
+def test_walk_unscales_grads_that_require_grad(device, fused):
+    def groups():
+        w = torch.tensor([1.0, 2.0, 3.0], device=device, requires_grad=True)
+        (w * w * 1024.0).sum().backward(create_graph=True)
+        return w, [{"params": [w]}]
+
+    (w, ours), (v, theirs) = groups(), groups()
+    assert torch.is_grad_enabled() and w.grad.requires_grad
+    walk_ours(ours, device, fused=fused)
+    walk_torch(theirs, device)
+    assert_bits(w.grad.detach(), v.grad.detach(), "grad")
+    assert w.grad[0].item() == 1024.0

@@ -517,7 +517,14 @@ def markdown(
             f"{e2e['n_params']:,} parameters in {e2e['n_param_tensors']} tensors), batch "
             f"{cfg['batch_size']} x {cfg['grad_accum']} accumulation steps, unscale_ + "
             f"clip_grad_norm_({cfg['grad_clip']}), AdamW; {cfg['steps']} steps per run, the first "
-            f"{cfg['timed_from']} untimed; runs interleaved step by step.\n"
+            f"{cfg['timed_from']} untimed; "
+            + (
+                "runs interleaved step by step.\n"
+                if cfg.get("steps_per_sample", 1) == 1
+                else f"runs interleaved in chunks of {cfg['steps_per_sample']} consecutive steps, "
+                "one synchronization per chunk (median step = median over chunks of chunk "
+                "time / steps).\n"
+            )
         )
         if "e2e" in plots:
             md.append(f"![e2e]({plots['e2e'].name})\n")

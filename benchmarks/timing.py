@@ -65,11 +65,11 @@ class TimingConfig:
     max_wall_s: float = 6.0
     device_time: bool = True  # GPU only
     mode: str = "auto"
-    batch_s: float = 0.05  # target wall time of one batch A (steps and restores)
+    batch_s: float = 0.03  # target wall time of one batch A (steps and restores)
     batch_min: int = 3  # steps per batch, at least ...
     batch_max: int = 400  # ... and at most
     device_batch_max: int = 8  # steps per device-time batch (keeps the launch queue short)
-    max_spin_s: float = 0.25  # longest device spin in front of a device-time batch
+    max_spin_s: float = 0.1  # longest device spin in front of a device-time batch
 
 
 QUICK_TIMING = TimingConfig(
@@ -412,14 +412,19 @@ def device_pair_sample(
     reset: Callable[[], None],
     run: Callable[[], None],
     n: int,
-    host_per_iteration_s: float,
+    host_step_s: float,
+    host_restore_s: float,
     max_spin_s: float,
 ) -> DeviceSample:
     """Batches A' and B' of ``n`` iterations, each behind a spin of twice the host's estimated
-    queueing time; the step's device time is the difference of their event spans."""
-    spin_s = min(max(2.0 * host_per_iteration_s * n, 1e-4), max_spin_s)
-    a = time_batch(clock, (restore, reset, run), n, spin_s)
-    b = time_batch(clock, (restore, reset), n, spin_s)
+    time to queue it (``host_step_s`` + ``host_restore_s`` per iteration for A', the latter for
+    B'); the step's device time is the difference of their event spans."""
+
+    def spin(per_iteration_s: float) -> float:
+        return min(max(2.0 * per_iteration_s * n, 1e-4), max_spin_s)
+
+    a = time_batch(clock, (restore, reset, run), n, spin(host_step_s + host_restore_s))
+    b = time_batch(clock, (restore, reset), n, spin(host_restore_s))
     return DeviceSample(
         device=(a.device_s - b.device_s) / n,
         restore_device=b.device_s / n,
@@ -479,7 +484,8 @@ def _measure_batched(
                         r.reset,
                         r.run,
                         t.device_steps,  # type: ignore[arg-type]
-                        w.host + w.restore,
+                        w.host,
+                        w.restore,
                         cfg.max_spin_s,
                     )
                     t.device.times.append(d.device)

@@ -119,7 +119,7 @@ def test_host_bound_step_costs_its_host_time() -> None:
     # reset queues behind the restore's last microsecond, spread over 200 steps).
     assert us(w.wall) == pytest.approx(20 + (5 - 2) / 200, abs=1e-9)
     assert us(w.host) == pytest.approx(20, abs=1e-9)
-    d = device_pair_sample(clock, restore, reset, run, 8, w.host + w.restore, 0.25)
+    d = device_pair_sample(clock, restore, reset, run, 8, w.host, w.restore, 0.25)
     assert us(d.device) == pytest.approx(5, abs=1e-9)  # device work only: the spin hid the host
     assert us(d.restore_device) == pytest.approx(3 + 1, abs=1e-9)
     assert not d.overrun
@@ -135,7 +135,7 @@ def test_device_bound_step_costs_its_device_time() -> None:
     assert us(w.wall) == pytest.approx(800, rel=1e-3)
     assert us(w.host) == pytest.approx(10, abs=1e-9)
     assert us(w.restore) == pytest.approx(1001, rel=0.01)
-    d = device_pair_sample(clock, restore, reset, run, 8, w.host + w.restore, 0.25)
+    d = device_pair_sample(clock, restore, reset, run, 8, w.host, w.restore, 0.25)
     assert us(d.device) == pytest.approx(800, abs=1e-9)
     assert not d.overrun
 
@@ -153,7 +153,7 @@ def test_step_with_a_host_sync_pays_the_turnaround() -> None:
     assert us(w.wall) == pytest.approx(116, abs=0.2)
     # Host: the step's own 30 + 10 us plus its wait on the device and the sync.
     assert us(w.host) == pytest.approx(130, abs=1e-6)
-    d = device_pair_sample(clock, restore, reset, run, 8, w.host + w.restore, 0.25)
+    d = device_pair_sample(clock, restore, reset, run, 8, w.host, w.restore, 0.25)
     # The host cannot queue past the sync, so the spin cannot cover it: flagged, and the device
     # time includes the device's idle time while the host turns around.
     assert d.overrun

@@ -2,8 +2,13 @@
 # make bench       same set-up, then the benchmark suite
 # make bench-quick same set-up, then a short benchmark run
 # PYTHON=python3   use an existing interpreter that already has torch (no venv, no downloads)
+# TORCH_VERSION=2.11.0 VENV=path  a venv with another torch (a CUDA build; see .ci/oldest-torch)
 TORCH_VERSION ?= 2.14.1
 VENV ?= .venv
+PIP_ARGS ?=
+# Build and test dependencies (the framework tests skip without lightning/accelerate/transformers).
+PY_DEPS := setuptools wheel ninja pytest numpy expecttest ruff matplotlib tabulate tqdm \
+	lightning accelerate transformers
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
@@ -15,8 +20,11 @@ PY := $(PYTHON)
 DEPS :=
 endif
 
-SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
-STAMP := build/.installed-$(notdir $(PY))
+SOURCES := setup.py ampfused/_build_check.py \
+	$(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+# One in-place _C for the whole tree: the stamp names the interpreter it was built for, and
+# installing for another interpreter deletes the other stamps so switching back rebuilds.
+STAMP := build/.installed-$(subst /,_,$(PY))
 
 .PHONY: test bench bench-quick install lint clean
 
@@ -31,14 +39,22 @@ bench-quick: $(STAMP)
 
 install: $(STAMP)
 
+# torch===X (exactly this version string): "==" also matches local builds such as 2.13.0+cpu,
+# which a machine's local wheel folder may offer and pip then prefers; those compile no CUDA
+# code.  PyPI's own Linux wheels are CUDA builds; the check after installing makes sure.
 $(VENV)/.deps-$(TORCH_VERSION):
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --upgrade pip
-	$(VENV)/bin/python -m pip install torch==$(TORCH_VERSION) setuptools wheel ninja pytest numpy expecttest ruff matplotlib tabulate tqdm
+	$(VENV)/bin/python -m pip install $(PIP_ARGS) "torch===$(TORCH_VERSION)" $(PY_DEPS)
+	$(VENV)/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else \
+	  f'make: torch {torch.__version__} in $(VENV) is a CPU build (torch.version.cuda is None), ' \
+	  'so no CUDA kernel would be compiled or tested. Install a CUDA build of torch $(TORCH_VERSION) ' \
+	  'there (PyPI\'s Linux wheels are), or use PYTHON=... to test with an interpreter of your own.')"
 	touch $@
 
-# The README's install command, editable so rebuilds reuse build/ (ninja, incremental).
+# The README's install command, editable so `import ampfused` uses the tree.
 $(STAMP): $(DEPS) $(SOURCES)
+	rm -f build/.installed-*
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	mkdir -p build && touch $@
 

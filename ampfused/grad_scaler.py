@@ -14,13 +14,22 @@ scaler, which it subclasses.  What changes is the cost of a step:
 Whenever the pending update might not be what torch would compute (the scale or a found_inf
 tensor was modified in between, factors changed, gradients on several devices, grads that are
 tensor subclasses), ``update()`` falls back to torch's own computation, so results never differ.
+
+Bad values are refused when they are given, not steps later: the constructor, the setters and
+``load_state_dict`` try each value the way torch will use it (``torch.full`` for the scale and
+the growth tracker, ``torch._amp_update_scale_``'s argument parser for the factors and the
+interval) and raise the exception torch would raise then, with a message naming the argument.
+``load_state_dict`` changes nothing unless every entry is good, and a scale that could not be
+written is never kept.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +41,145 @@ __all__ = ["GradScaler", "OptState"]
 
 # Devices with ampfused kernels; others (mps, xpu, ...) use torch's implementation unchanged.
 _KERNEL_DEVICES = ("cpu", "cuda")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_REAL_TYPES = (float, int)  # exact types only: bool is an int torch refuses as an interval
+_ABSENT = object()
+
+# ----------------------------------------------------------------------------- argument checks
+# Each check runs the value through the torch call that will consume it and re-raises that
+# call's own exception type (so `except TypeError:` written against torch keeps working) with a
+# message that names the argument and the fix.
+
+_UPDATE_ARGS = ("growth_factor", "backoff_factor", "growth_interval")
+_UPDATE_ARG_HELP = {
+    "growth_factor": "a float > 1.0, the factor the scale grows by after growth_interval "
+    "consecutive steps without inf/NaN",
+    "backoff_factor": "a float < 1.0, the factor the scale shrinks by after a step with inf/NaN",
+    "growth_interval": "a Python int, the number of consecutive steps without inf/NaN before "
+    "the scale grows",
+}
+
+
+def _update_arg_error(name: str, value: Any) -> Exception | None:
+    """The exception torch's ``update()`` would raise for this one argument, or None."""
+    args = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1, name: value}
+    scratch = torch.zeros(3)  # scale, found_inf, and the int32 tracker's bits
+    try:
+        torch._amp_update_scale_(
+            scratch[0],
+            scratch[1].view(torch.int32),
+            scratch[2],
+            args["growth_factor"],
+            args["backoff_factor"],
+            args["growth_interval"],
+        )
+    except Exception as e:  # TypeError, ValueError (int64 overflow), OverflowError
+        return e
+    return None
+
+
+def _check_update_arg(where: str, name: str, value: Any) -> None:
+    error = _update_arg_error(name, value)
+    if error is not None:
+        raise type(error)(
+            f"{where}: {name} must be {_UPDATE_ARG_HELP[name]}; got {value!r} "
+            f"({type(value).__name__}), which torch's scale update refuses: {error}"
+        ) from error
+
+
+def _check_fill(where: str, value: Any, dtype: torch.dtype, into: torch.Tensor | None) -> None:
+    """Raises what writing `value` into the scaler's state would raise: ``torch.full`` when the
+    state is still to be created (torch's lazy init at the first scale()), ``fill_`` into a
+    tensor like `into` when it exists (torch's load_state_dict)."""
+    try:
+        if into is None:
+            torch.full((), value, dtype=dtype)
+        else:
+            torch.empty_like(into).fill_(value)
+    except Exception as e:  # RuntimeError (overflow, shape), TypeError, OverflowError
+        kind = "a float that float32 can hold" if dtype == torch.float32 else "an int32 count"
+        raise type(e)(
+            f"{where} must be {kind}; got {value!r} ({type(value).__name__}), which cannot be "
+            f"written into the scaler's {dtype} state: {e}"
+        ) from e
+
+
+def _kernel_update_args(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any
+) -> tuple[float, float, int] | None:
+    """The update arguments as the fused kernel's (double, double, int64), or None where torch's
+    update() would refuse them (the caller then takes torch's path, which raises there)."""
+    if (
+        type(growth_factor) in _REAL_TYPES
+        and type(backoff_factor) in _REAL_TYPES
+        and type(growth_interval) is int
+        and _INT64_MIN <= growth_interval <= _INT64_MAX
+    ):
+        try:
+            return float(growth_factor), float(backoff_factor), growth_interval
+        except OverflowError:  # an int beyond double's range, refused by torch as well
+            return None
+    # Other types torch's parser may take (numpy scalars, 0-dim tensors): ask it.
+    values = (growth_factor, backoff_factor, growth_interval)
+    if any(_update_arg_error(n, v) is not None for n, v in zip(_UPDATE_ARGS, values, strict=True)):
+        return None
+    return float(growth_factor), float(backoff_factor), int(growth_interval)
+
+
+# ----------------------------------------------------------------------------- optimizers
+class _ParamGroups:
+    """Stands in for an optimizer in torch's ``_unscale_grads_``, which reads only
+    ``param_groups``: lets torch's walk reuse groups already read from a one-shot iterable."""
+
+    __slots__ = ("param_groups",)
+
+    def __init__(self, param_groups: list | tuple) -> None:
+        self.param_groups = param_groups
+
+
+def _read_param_groups(optimizer: Any) -> list | tuple:
+    """``optimizer.param_groups`` as a list or tuple, read once: torch's scaler walks it with a
+    for loop, so any iterable works there, a generator included (read once per pass)."""
+    groups = optimizer.param_groups
+    if type(groups) is list or type(groups) is tuple:
+        return groups
+    try:
+        iterator = iter(groups)
+    except TypeError as e:
+        raise TypeError(
+            "optimizer.param_groups must be an iterable of dicts with a 'params' entry, got "
+            f"{type(groups).__name__}"
+        ) from e
+    return list(iterator)
+
+
+# Whether an optimizer's step function takes a `grad_scaler` keyword (the legacy protocol for
+# optimizers that handle scaling themselves).  inspect.signature costs ~30 us per call on a
+# torch optimizer's wrapped step, so the answer is kept per function object.
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Callable, bool] = weakref.WeakKeyDictionary()
+
+
+def _step_takes_grad_scaler(optimizer: Any) -> bool:
+    step = optimizer.step
+    func = getattr(step, "__func__", step)  # bound methods are new objects at every access
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable / hashable
+        pass
+    takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:
+        pass
+    return takes
+
+
+def _refused_factor(growth_factor: Any) -> str:
+    """Which factor torch's constructor refused: it checks growth_factor first."""
+    try:
+        return "growth_factor" if growth_factor <= 1.0 else "backoff_factor"
+    except Exception:  # the comparison itself failed
+        return "growth_factor"
 
 
 class _Pending:
@@ -59,11 +207,16 @@ class GradScaler(torch.amp.GradScaler):
     Args:
         device: device type of the scale (``"cuda"`` or ``"cpu"``; other devices use torch's
             implementation).
-        init_scale: initial scale factor.
+        init_scale: initial scale factor; a number float32 can hold (or a 0-dim tensor).
         growth_factor: factor applied to the scale after ``growth_interval`` clean steps (> 1).
         backoff_factor: factor applied to the scale after a step with inf/NaN gradients (< 1).
-        growth_interval: consecutive clean steps before the scale grows.
+        growth_interval: consecutive clean steps before the scale grows (an int).
         enabled: if False, every method is a no-op, as in torch.
+
+    Raises:
+        AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch).
+        TypeError, ValueError, OverflowError, RuntimeError: a value torch would fail on at the
+            first ``scale()`` or ``update()``, with the exception torch raises there.
     """
 
     def __init__(
@@ -75,15 +228,35 @@ class GradScaler(torch.amp.GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
     ) -> None:
-        super().__init__(
-            device=device,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            enabled=enabled,
-        )
+        try:
+            super().__init__(
+                device=device,
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                enabled=enabled,
+            )
+        except (AssertionError, TypeError) as e:
+            # torch compares the factors with 1.0: a factor out of range is an AssertionError, one
+            # that does not compare with a float a TypeError.  Same types, with the value named.
+            name = _refused_factor(growth_factor)
+            value = growth_factor if name == "growth_factor" else backoff_factor
+            if isinstance(e, AssertionError):  # torch's message first: users may match on it
+                message = f"{e} GradScaler got {name}={value!r}."
+            else:
+                message = (
+                    f"GradScaler: {name} must be {_UPDATE_ARG_HELP[name]}; got {value!r} "
+                    f"({type(value).__name__}), which does not compare with a float: {e}"
+                )
+            raise type(e)(message) from e
         self._init_fused_state()
+        if self._enabled:  # torch checks nothing else, and uses nothing, when disabled
+            _check_fill("GradScaler: init_scale", init_scale, torch.float32, None)
+            for name, value in zip(
+                _UPDATE_ARGS, (growth_factor, backoff_factor, growth_interval), strict=True
+            ):
+                _check_update_arg("GradScaler", name, value)
 
     def _init_fused_state(self) -> None:
         # _state owns _scale (float32 view of element 0) and _growth_tracker (element 1), so one
@@ -98,12 +271,15 @@ class GradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
-        state = torch.empty(2, dtype=torch.int32, device=dev)
+        # torch.full converts (and refuses) the initial values as torch's lazy init does; both
+        # are made before anything is kept, so a failed first scale() leaves no state behind
+        # and the next one raises again.
+        scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        state = torch.stack((scale.view(torch.int32), tracker))
         self._state = state
         self._scale = state[0].view(torch.float32)
         self._growth_tracker = state[1]
-        self._scale.fill_(self._init_scale)
-        self._growth_tracker.fill_(self._init_growth_tracker)
 
     def _owns_state(self) -> bool:
         state = self._state
@@ -126,8 +302,73 @@ class GradScaler(torch.amp.GradScaler):
         return self._next_scale, self._next_growth_tracker  # type: ignore[return-value]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        """Load a state from :meth:`state_dict` (of either scaler class), as torch's method.
+
+        Every entry is checked before anything changes, and refused with the exception torch
+        raises for it: torch's own method assigns entry by entry (a bad one leaves the state
+        half loaded) and defers most checks to the first ``scale()`` or ``update()``.
+        """
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler. Load a state_dict() taken from an enabled scaler."
+            )
+
+        def entry(key: str) -> Any:
+            try:
+                return state_dict[key]
+            except KeyError as e:  # (indexing a non-mapping raises what it raises, as in torch)
+                raise KeyError(
+                    f"GradScaler.load_state_dict: the state dict has no {key!r} entry; it needs "
+                    "'scale', 'growth_factor', 'backoff_factor', 'growth_interval' and "
+                    "'_growth_tracker', as GradScaler.state_dict() returns them"
+                ) from e
+
+        # Checks in the order torch meets the values (load, first scale(), update()), so that of
+        # several bad entries the one torch would raise for is reported, with torch's type.
+        scale = entry("scale")
+        if self._scale is not None:
+            _check_fill("load_state_dict: state_dict['scale']", scale, torch.float32, self._scale)
+        factors = [entry(name) for name in _UPDATE_ARGS]
+        tracker = entry("_growth_tracker")
+        if self._growth_tracker is not None:
+            where = "load_state_dict: state_dict['_growth_tracker']"
+            _check_fill(where, tracker, torch.int32, self._growth_tracker)
+        if self._scale is None:
+            _check_fill("load_state_dict: state_dict['scale']", scale, torch.float32, None)
+            where = "load_state_dict: state_dict['_growth_tracker']"
+            _check_fill(where, tracker, torch.int32, None)
+        for name, value in zip(_UPDATE_ARGS, factors, strict=True):
+            _check_update_arg(f"load_state_dict: state_dict[{name!r}]", name, value)
+
+        self._init_scale = scale
+        if self._scale is not None:
+            self._scale.fill_(scale)
+        self._growth_factor, self._backoff_factor, self._growth_interval = factors
+        self._init_growth_tracker = tracker
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(tracker)
         self._pending = None
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the scale growth factor (checked as torch's ``update()`` will use it)."""
+        if self._enabled:
+            _check_update_arg("set_growth_factor", "growth_factor", new_factor)
+        self._growth_factor = new_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the scale backoff factor (checked as torch's ``update()`` will use it)."""
+        if self._enabled:
+            _check_update_arg("set_backoff_factor", "backoff_factor", new_factor)
+        self._backoff_factor = new_factor
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (checked as torch's ``update()`` will use it)."""
+        if self._enabled:
+            _check_update_arg("set_growth_interval", "growth_interval", new_interval)
+        self._growth_interval = new_interval
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -147,7 +388,11 @@ class GradScaler(torch.amp.GradScaler):
     def _fused_found_inf(
         self, optimizer: torch.optim.Optimizer, check_only: bool, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor] | None:
-        """One fused pass over the optimizer's gradients; None if torch's path must run."""
+        """One fused pass over the optimizer's gradients, with the pending update computed.
+
+        Returns None, having read nothing, when torch's method must run instead (its own
+        ``unscale_`` / ``_check_inf_per_device``, which call ``_unscale_grads_``).
+        """
         scale, tracker = self._scale, self._growth_tracker
         assert scale is not None and tracker is not None
         if scale.device.type not in _KERNEL_DEVICES:
@@ -156,23 +401,36 @@ class GradScaler(torch.amp.GradScaler):
             # A subclass hooks the unscale (e.g. to all-reduce found_inf, as sharded scalers
             # do): torch's unscale_/_check_inf_per_device call it, so take that path.
             return None
+        factors = _kernel_update_args(
+            self._growth_factor, self._backoff_factor, self._growth_interval
+        )
+        if factors is None:  # values set behind the setters' back: torch's update() raises
+            return None
+        groups = _read_param_groups(optimizer)
         next_scale, next_tracker = self._pending_buffers(scale.device)
         pending = self._pending
         result = _C.fused_pass(
-            optimizer.param_groups,
+            groups,
             scale,
             tracker,
             next_scale,
             next_tracker,
-            self._growth_factor,
-            self._backoff_factor,
-            self._growth_interval,
+            *factors,
             check_only,
             pending is not None and bool(pending.found),
             allow_fp16,
         )
         if result is None:
-            return None
+            # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
+            # run it over the groups read above, with the inputs torch's methods give it.
+            if check_only:
+                inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+            else:
+                inv_scale = scale.double().reciprocal().float()
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            return torch.amp.GradScaler._unscale_grads_(
+                self, _ParamGroups(groups), inv_scale, found_inf, allow_fp16
+            )
         if pending is None:
             pending = self._pending = _Pending(
                 scale, tracker, (self._growth_factor, self._backoff_factor, self._growth_interval)
@@ -192,9 +450,11 @@ class GradScaler(torch.amp.GradScaler):
         # torch's contract, one launch per device instead of one per (device, dtype), and no
         # Python loop over parameters.
         if inv_scale.device.type in _KERNEL_DEVICES:
-            result = _C.unscale_grads(optimizer.param_groups, inv_scale, found_inf, allow_fp16)
+            groups = _read_param_groups(optimizer)
+            result = _C.unscale_grads(groups, inv_scale, found_inf, allow_fp16)
             if result is not None:
                 return dict(result)
+            optimizer = _ParamGroups(groups)  # type: ignore[assignment]  (read once, reused)
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -234,14 +494,23 @@ class GradScaler(torch.amp.GradScaler):
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        """Unscale (if not done yet), then ``optimizer.step(*args, **kwargs)`` unless the
-        gradients held inf/NaN.  Returns what ``optimizer.step`` returned (None if skipped).
+    # ----------------------------------------------------------------------------- step
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Run ``optimizer.step(*args, **kwargs)`` on unscaled gradients, unless they hold
+        inf/NaN, and return what it returned (None when the step was skipped).
 
-        Same contract as :meth:`torch.amp.GradScaler.step`.
+        Gradients are unscaled here if :meth:`unscale_` was not called for this optimizer in
+        this iteration.  Optimizers that unscale and skip on the device themselves
+        (``_step_supports_amp_scaling``, e.g. ``torch.optim.Adam(fused=True)``) get the scale
+        and the inf/NaN flag as tensors instead, with no host sync.
+
+        Raises:
+            RuntimeError: a ``closure`` keyword, or a second step() before :meth:`update`.
+            AssertionError: no :meth:`scale` call yet, or the optimizer has no gradients.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
+        # The refusals, in torch's order: which one a wrong call meets decides the type raised.
         if "closure" in kwargs:
             raise RuntimeError(
                 "Closure use is not currently supported if GradScaler is enabled. Compute the "
@@ -254,20 +523,32 @@ class GradScaler(torch.amp.GradScaler):
                 "step() has already been called since the last update(). Call scaler.update() "
                 "once per iteration, after step() has run for every optimizer."
             )
-
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_optimizer_step(optimizer, optimizer_state, args, kwargs)
+            retval = self._fused_optimizer_step(optimizer, optimizer_state, args, kwargs)
+        else:
+            retval = self._skip_or_step(optimizer, optimizer_state, args, kwargs)
+        # Only a step that returned counts: after an exception the optimizer may step again.
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
 
+    def _skip_or_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        # An ordinary optimizer sees finished gradients: unscale them (once), then let the host
+        # decide from found_inf, which costs the iteration's one sync per device.
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        if len(optimizer_state["found_inf_per_device"]) == 0:
+        if not optimizer_state["found_inf_per_device"]:
             raise AssertionError(
                 "No inf checks were recorded for this optimizer. None of its parameters has a "
                 ".grad: run scaler.scale(loss).backward() before scaler.step(optimizer)."
             )
-        retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        optimizer_state["stage"] = OptState.STEPPED
-        return retval
+        # torch's hook: subclasses may override how the skip is decided.
+        return self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
 
     def _fused_optimizer_step(
         self,
@@ -276,10 +557,16 @@ class GradScaler(torch.amp.GradScaler):
         args: tuple,
         kwargs: dict[str, Any],
     ) -> Any:
-        # torch's protocol for optimizers that unscale and skip on the device themselves
-        # (e.g. Adam(fused=True)): hand them grad_scale and found_inf, no host sync.
-        has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
-        if has_grad_scaler_kwarg:
+        """The step of an optimizer that unscales and skips on the device itself.
+
+        Current protocol: the optimizer finds two tensors set as attributes for the duration of
+        its step, ``grad_scale`` (what to divide the gradients by; None when :meth:`unscale_`
+        already did it) and ``found_inf`` (nonzero: leave the parameters alone).  Both are
+        fresh tensors, so nothing the optimizer does to them reaches the scaler.  A step()
+        that takes a ``grad_scaler`` keyword follows the older protocol instead and is handed
+        the scaler itself.
+        """
+        if _step_takes_grad_scaler(optimizer):
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
@@ -288,33 +575,30 @@ class GradScaler(torch.amp.GradScaler):
                 FutureWarning,
                 stacklevel=3,
             )
-            kwargs.update({"grad_scaler": self})
+            return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+
+        if optimizer_state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)  # read-only: the optimizer divides
+        scale = self._get_scale_async()
+        assert scale is not None
+        # A grad_scale the user set on the optimizer multiplies in (or, unscaled, is passed on).
+        user_scale = getattr(optimizer, "grad_scale", _ABSENT)
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            grad_scale = None if user_scale is _ABSENT else user_scale
         else:
-            if optimizer_state["stage"] is OptState.READY:
-                self._check_inf_per_device(optimizer)
-            scale = self._get_scale_async()
-            assert scale is not None
-            # The optimizer gets fresh tensors, as torch's sum([...]) and scale * 1 give it: what
-            # it does to them cannot reach this iteration's found_inf or the scale.  A copy is
-            # the same value without an arithmetic kernel.
-            found = list(optimizer_state["found_inf_per_device"].values())
-            if len(found) == 1 and found[0].device == scale.device:
-                found_inf = found[0].clone()
-            else:
-                found_inf = sum(t.to(scale.device, non_blocking=True) for t in found)
-            existing = getattr(optimizer, "grad_scale", None)
-            if optimizer_state["stage"] is OptState.UNSCALED:
-                optimizer.grad_scale = existing  # type: ignore[attr-defined]
-            else:
-                optimizer.grad_scale = (  # type: ignore[attr-defined]
-                    scale.clone() if existing is None else scale * existing
-                )
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            grad_scale = scale.clone() if user_scale is _ABSENT else scale * user_scale
+        # The devices' flags summed on the scale's device: `0 + flag` (int 0 if there is none),
+        # the value torch hands over, in a new tensor.
+        found_inf = sum(
+            flag.to(scale.device, non_blocking=True)
+            for flag in optimizer_state["found_inf_per_device"].values()
+        )
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         retval = optimizer.step(*args, **kwargs)
-        optimizer_state["stage"] = OptState.STEPPED
-        if not has_grad_scaler_kwarg:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+        # Left in place when step() raises, as torch leaves them.
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
         return retval
 
     # ----------------------------------------------------------------------------- update
@@ -323,13 +607,16 @@ class GradScaler(torch.amp.GradScaler):
 
         Without ``new_scale`` this commits the update the fused passes already computed (one
         8-byte copy), unless something changed since, in which case torch's computation runs.
+        With ``new_scale`` (a float, or a one-element tensor on the scaler's device type that
+        does not require grad) the scale is set to it; the growth tracker is left as it is.
         """
         if not self._enabled:
             return
         self._check_scale_growth_tracker("update")
         pending, self._pending = self._pending, None
         if new_scale is not None:
-            super().update(new_scale)
+            self._set_scale(new_scale)
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             return
         found_infs = [
             f
@@ -351,6 +638,46 @@ class GradScaler(torch.amp.GradScaler):
             self._scale.copy_(self._next_scale)  # type: ignore[union-attr]
             self._growth_tracker.copy_(self._next_growth_tracker)  # type: ignore[union-attr]
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+        # update(new_scale): torch's rules and exception types, messages that say what was given.
+        scale = self._scale
+        assert scale is not None
+        if isinstance(new_scale, float):
+            try:
+                scale.fill_(new_scale)
+            except RuntimeError as e:  # float32 cannot hold it; nothing was written
+                raise RuntimeError(
+                    f"update(new_scale): new_scale={new_scale!r} cannot be the scale, a float32 "
+                    f"tensor: {e}"
+                ) from e
+            return
+        rule = (
+            "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+            "torch.FloatTensor with requires_grad=False."
+        )
+        device = getattr(new_scale, "device", _ABSENT)
+        if device is _ABSENT:  # torch reads new_scale.device.type and fails the same way
+            raise AttributeError(
+                f"{rule} update() got {new_scale!r} ({type(new_scale).__name__}); pass "
+                "float(new_scale)."
+            )
+        if device.type != self._device:
+            raise AssertionError(
+                f"{rule} update() got a tensor on {device}; the scaler's device is "
+                f"{self._device!r}: move it there first."
+            )
+        if new_scale.numel() != 1:
+            raise AssertionError(f"{rule} update() got {new_scale.numel()} elements.")
+        if new_scale.requires_grad is True:
+            raise AssertionError(f"{rule} update() got a tensor that requires grad: detach it.")
+        try:
+            scale.copy_(new_scale)
+        except RuntimeError as e:  # e.g. shape [1] into the 0-dim scale, as torch fails
+            raise RuntimeError(
+                f"update(new_scale): new_scale of shape {tuple(new_scale.shape)} cannot be "
+                f"copied into the 0-dim scale ({e}); pass new_scale.reshape(()) instead"
+            ) from e
 
     def _pending_is_torch_update(self, pending: _Pending, found_infs: list[torch.Tensor]) -> bool:
         scale, tracker = self._scale, self._growth_tracker

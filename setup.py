@@ -127,7 +127,7 @@ class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
     def build_extension(self, ext):
         super().build_extension(ext)
         built = self.get_ext_fullpath(ext.name)
-        problems = _build_check.libstdcxx_problems(built)
+        problems = _build_check.libstdcxx_problems(built, _TORCH_LIBSTDCXX)
         if not problems:
             return
         # Never leave a crashing extension behind: neither the one just linked nor the copy an

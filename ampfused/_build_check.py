@@ -39,8 +39,8 @@ PRIVATE_RUNTIME_NAMES = frozenset(
 )
 # std::locale and std::ios_base::Init members: non-inline, defined in libstdc++ itself.
 PRIVATE_RUNTIME_PREFIXES = ("_ZNSt6locale", "_ZNKSt6locale", "_ZNSt8ios_base4Init")
-# Mangled-name prefixes of namespace std / __gnu_cxx / the C++ ABI, for counting only.
-_STD_PREFIXES = ("_ZNSt", "_ZNKSt", "_ZSt", "_ZTISt", "_ZTSSt", "_ZTVSt", "_ZN9__gnu_cxx")
+# Defined in every shared object or naming a symbol version, so never a sign of a copy.
+_NOT_RUNTIME_RE = re.compile(r"^(GLIBCXX_|CXXABI_|_init$|_fini$|__bss_start$|_edata$|_end$)")
 
 _LIBSTDCXX_RE = re.compile(r"^libstdc\+\+\.so(\.\d+)*$")
 
@@ -144,24 +144,36 @@ def is_elf(path: str | os.PathLike[str]) -> bool:
         return f.read(4) == b"\x7fELF"
 
 
-def private_runtime_symbols(syms: ElfSymbols) -> list[str]:
-    """The libstdc++-only symbols ``syms`` defines (strongly): exact names first, then sorted."""
+def private_runtime_symbols(syms: ElfSymbols, runtime: ElfSymbols | None = None) -> list[str]:
+    """The symbols of libstdc++ itself that ``syms`` defines (strongly).
+
+    Those are the libstdc++-only names above and, given the shared libstdc++ the process runs on
+    (``runtime``), every symbol both define strongly: that also catches a partial copy, pulled
+    from a static archive for the few symbols an older shared libstdc++ lacks.  Exact names
+    first, then sorted.
+    """
     found = {
         s
         for s in syms.strong
         if s in PRIVATE_RUNTIME_NAMES or s.startswith(PRIVATE_RUNTIME_PREFIXES)
     }
+    if runtime is not None:
+        found |= {s for s in syms.strong & runtime.strong if not _NOT_RUNTIME_RE.match(s)}
     # "name.cold" and similar are local clones of a function already listed
     return sorted(
         (s for s in found if "." not in s), key=lambda s: (s not in PRIVATE_RUNTIME_NAMES, s)
     )
 
 
-def libstdcxx_problems(path: str | os.PathLike[str]) -> list[str]:
+def libstdcxx_problems(
+    path: str | os.PathLike[str], runtime: str | os.PathLike[str] | None = None
+) -> list[str]:
     """Why the C++ shared object at ``path`` would bring a second libstdc++ into the process.
 
     Returns an empty list when it depends on the shared ``libstdc++.so.*`` and defines none of
     libstdc++'s own symbols, and for files that are not ELF (macOS, Windows: not applicable).
+    ``runtime``: the shared libstdc++ torch loaded (:func:`loaded_libstdcxx`), if known; every
+    symbol it defines then counts as libstdc++'s own.
 
     Raises:
         ElfError: an ELF file this module cannot read.
@@ -176,13 +188,12 @@ def libstdcxx_problems(path: str | os.PathLike[str]) -> list[str]:
             + (", ".join(syms.needed) or "nothing")
             + ")"
         )
-    own = private_runtime_symbols(syms)
+    own = private_runtime_symbols(syms, read_elf(runtime) if runtime else None)
     if own:
-        n_std = sum(1 for s in syms.strong if s.startswith(_STD_PREFIXES + ("__cxa_", "__gxx_")))
         shown = ", ".join(own[:4]) + (", ..." if len(own) > 4 else "")
         problems.append(
-            f"it defines libstdc++'s own symbols ({shown}: std::locale internals and the C++ "
-            f"exception runtime; {n_std} std:: and __cxa symbols in all)"
+            f"it defines {len(own)} of libstdc++'s own symbols ({shown})"
+            + (f", compared with {runtime}" if runtime else "")
         )
     return problems
 

@@ -61,7 +61,7 @@ def extension_path() -> str:
 
 @pytest.mark.skipif(not LINUX, reason="checks ELF shared objects and /proc/self/maps (Linux only)")
 def test_built_extension_uses_torchs_shared_libstdcxx():
-    problems = _build_check.libstdcxx_problems(extension_path())
+    problems = _build_check.libstdcxx_problems(extension_path(), _build_check.loaded_libstdcxx())
     assert problems == [], (
         f"{extension_path()} carries its own libstdc++: {problems}. Rebuild it with the "
         'system compilers: CC=gcc CXX=g++ LDSHARED="gcc -shared" pip install '
@@ -120,7 +120,7 @@ def message_from(path: str) -> str:
 @pytest.mark.skipif(not LINUX, reason="links and reads ELF shared objects (Linux only)")
 def test_ordinary_link_passes(probe_object):
     path = link(probe_object, "ordinary.so")
-    assert _build_check.libstdcxx_problems(path) == []
+    assert _build_check.libstdcxx_problems(path, _build_check.loaded_libstdcxx()) == []
     assert message_from(path) == "value 42 rejected"
 
 
@@ -148,8 +148,23 @@ def test_static_only_toolchain_passes_with_torchs_libstdcxx_on_the_link_line(
     torch_libstdcxx = _build_check.loaded_libstdcxx()
     assert torch_libstdcxx is not None
     path = link(probe_object, "fixed.so", f"-B{static_only_dir}/", after=(torch_libstdcxx,))
-    assert _build_check.libstdcxx_problems(path) == []
+    assert _build_check.libstdcxx_problems(path, torch_libstdcxx) == []
     assert message_from(path) == "value 42 rejected"
+
+
+@pytest.mark.skipif(not LINUX, reason="reads torch's libstdc++ (Linux only)")
+def test_a_partial_copy_is_caught_by_comparing_with_torchs_libstdcxx():
+    # A compiler newer than the shared libstdc++ can pull just the few members the older one
+    # lacks from a static archive: no marker name need be among them.
+    runtime = _build_check.read_elf(_build_check.loaded_libstdcxx())
+    ctor = "_ZNSt13runtime_errorC1EPKc"  # std::runtime_error::runtime_error(const char*)
+    assert ctor in runtime.strong
+    ext = _build_check.ElfSymbols()
+    ext.strong = {ctor}
+    assert _build_check.private_runtime_symbols(ext) == []
+    assert _build_check.private_runtime_symbols(ext, runtime) == [ctor]
+    ext.strong, ext.weak = set(), {ctor}  # a weak definition is an inline copy, not the runtime
+    assert _build_check.private_runtime_symbols(ext, runtime) == []
 
 
 def test_failure_message_names_cause_and_fix():

@@ -123,7 +123,9 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
   const Py_ssize_t ngroups = PySequence_Fast_GET_SIZE(groups_seq);
   std::vector<std::pair<size_t, py::object>> consumed;  // (group, list read from an iterator)
   std::string unsupported;                              // the first grad no kernel takes
-  bool fallback = false;
+  bool fallback = false;                                // some grad needs torch's path
+  // Once fallback is decided or an error found, grads are no longer gathered.
+  bool skip_rest = false;
   for (Py_ssize_t gi = 0; gi < ngroups; ++gi) {
     py::handle group = PySequence_Fast_GET_ITEM(groups_seq, gi);
     py::object params_obj = group["params"];
@@ -150,27 +152,31 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
                   "parameters in float32 and let torch.autocast run float16 math (do not call "
                   "model.half()).");
       }
-      if (!unsupported.empty()) continue;  // it is raised after the walk: only look for the above
-      if (!(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
-            dtype == at::kDouble)) {
-        unsupported = "unscaling " + std::string(c10::toString(dtype)) +
-                      " gradients is not implemented: " + where(gi, i) +
-                      ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 and "
-                      "float64 gradients only";
+      const at::Layout layout = grad.layout();
+      const bool kernel_dtype = dtype == at::kFloat || dtype == at::kHalf ||
+                                dtype == at::kBFloat16 || dtype == at::kDouble;
+      const bool kernel_layout = layout == at::kStrided || layout == at::kSparse;
+      if (C10_UNLIKELY(!kernel_dtype || !kernel_layout || skip_rest)) {
+        // After an error to raise or a fallback decision, only errors are looked for.
+        skip_rest = true;
+        if (!unsupported.empty()) continue;  // raised after the walk: only the first one
+        if (!kernel_dtype) {
+          unsupported = "unscaling " + std::string(c10::toString(dtype)) +
+                        " gradients is not implemented: " + where(gi, i) +
+                        ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 "
+                        "and float64 gradients only";
+        } else if (!kernel_layout) {
+          unsupported = where(gi, i) + ".grad has layout " + c10::str(layout) +
+                        "; GradScaler unscales dense (strided) and sparse COO gradients only";
+        }
         continue;
       }
-      if (grad.layout() != at::kStrided && grad.layout() != at::kSparse) {
-        unsupported = where(gi, i) + ".grad has layout " + c10::str(grad.layout()) +
-                      "; GradScaler unscales dense (strided) and sparse COO gradients only";
-        continue;
-      }
-      if (fallback) continue;
       if (grad.unsafeGetTensorImpl()->is_python_dispatch()) {
-        fallback = true;
+        skip_rest = fallback = true;
         continue;
       }
       at::Tensor values;  // defined for sparse grads only
-      if (grad.layout() == at::kSparse) {
+      if (layout == at::kSparse) {
         if (dtype == at::kHalf) {
           // As torch does: duplicates of a float16 sparse grad may only overflow once summed.
           at::Tensor coalesced = grad.coalesce();
@@ -183,7 +189,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       const at::Device dev = values.defined() ? values.device() : grad.device();
       // Devices without an ampfused kernel (mps, xpu, ...) take torch's own path.
       if (!(dev.is_cpu() || dev.is_cuda())) {
-        fallback = true;
+        skip_rest = fallback = true;
         continue;
       }
       DeviceGrads* slot = nullptr;

@@ -1488,7 +1488,9 @@ ITERABLES = {
 @pytest.mark.parametrize("groups_kind", list(ITERABLES)[:3])
 def test_walk_takes_any_iterable_torch_takes(device, groups_kind, params_kind, fused):
     def groups():
-        ps = [param(device, dt, 8.0 * (i + 1)) for i, dt in enumerate([F32, F64, BF16, F32])]
+        # torch's CUDA kernel has no bfloat16 (ours does): float32 in its place there
+        dtypes = [F32, F64, BF16 if device == "cpu" else F32, F32]
+        ps = [param(device, dt, 8.0 * (i + 1)) for i, dt in enumerate(dtypes)]
         ps[2].grad[0, 1] = INF
         g = [{"params": ITERABLES[params_kind](ps[:3])}, {"params": ITERABLES[params_kind](ps[3:])}]
         return ps, ITERABLES[groups_kind](g)

@@ -88,7 +88,7 @@ py::object as_sequence(py::handle obj, Py_ssize_t group) {
 // Before falling back to torch's Python path, which reads optimizer.param_groups again: a
 // group's 'params' that was a one-shot iterator (a generator) has been consumed here, so the
 // list read from it takes its place.  A one-shot param_groups cannot be restored from here.
-void restore_one_shot(py::handle param_groups, const std::vector<py::object>& groups_seq,
+void restore_one_shot(py::handle param_groups, py::handle groups_seq,
                       const std::vector<std::pair<size_t, py::object>>& consumed) {
   if (PyIter_Check(param_groups.ptr())) {
     raise(PyExc_TypeError,
@@ -98,7 +98,7 @@ void restore_one_shot(py::handle param_groups, const std::vector<py::object>& gr
               "without ampfused kernels), which reads optimizer.param_groups again; make "
               "optimizer.param_groups a list");
   }
-  PyObject** groups = PySequence_Fast_ITEMS(groups_seq.front().ptr());
+  PyObject** groups = PySequence_Fast_ITEMS(groups_seq.ptr());
   for (const auto& [gi, params] : consumed) {
     if (PyObject_SetItem(groups[gi], py::str("params").ptr(), params.ptr()) != 0) {
       throw py::error_already_set();
@@ -209,7 +209,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
   }
   if (!unsupported.empty()) raise(PyExc_NotImplementedError, unsupported);
   if (fallback) {
-    restore_one_shot(param_groups, keep_alive, consumed);
+    restore_one_shot(param_groups, groups_seq, consumed);
     return std::nullopt;
   }
   return out;

@@ -13,6 +13,22 @@ from torch import Tensor
 __all__ = ["non_finite_check_and_unscale_", "non_finite_check_", "unscale_update_scale_"]
 
 
+def _call(op, grads: list[Tensor], *args) -> None:
+    # torch's schema parser rejects a None inside a Tensor[] with a RuntimeError that names no
+    # element; torch's own ops raise TypeError there.  Only the failing call pays for the scan.
+    try:
+        op(grads, *args)
+    except RuntimeError:
+        if not isinstance(grads, Tensor):
+            for i, g in enumerate(grads):
+                if g is None:
+                    raise TypeError(
+                        f"grads[{i}] is None; pass only the gradients that exist "
+                        "(leave parameters whose .grad is None out of the list)"
+                    ) from None
+        raise
+
+
 def non_finite_check_and_unscale_(
     grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor
 ) -> None:
@@ -30,7 +46,7 @@ def non_finite_check_and_unscale_(
     then ``torch._foreach_mul_(grads, inv_scale)``, except that torch's CUDA kernel rejects
     bfloat16 and launches once per dtype.
     """
-    torch.ops.ampfused.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    _call(torch.ops.ampfused.non_finite_check_and_unscale_, grads, found_inf, inv_scale)
 
 
 def non_finite_check_(grads: list[Tensor], found_inf: Tensor) -> None:
@@ -43,7 +59,7 @@ def non_finite_check_(grads: list[Tensor], found_inf: Tensor) -> None:
 
     In plain PyTorch: ``if not all(torch.isfinite(g).all() for g in grads): found_inf.fill_(1.0)``.
     """
-    torch.ops.ampfused.non_finite_check_(grads, found_inf)
+    _call(torch.ops.ampfused.non_finite_check_, grads, found_inf)
 
 
 def unscale_update_scale_(
@@ -75,7 +91,8 @@ def unscale_update_scale_(
         check_only: read-only pass (no gradient is written).
         accumulate: this is not the first pass of the iteration (see next_scale).
     """
-    torch.ops.ampfused.unscale_update_scale_(
+    _call(
+        torch.ops.ampfused.unscale_update_scale_,
         grads,
         found_inf,
         scale,

@@ -909,7 +909,7 @@ def grads_with(dtype: torch.dtype, first_ok: bool = True):
 def copy_arg(v):
     if v is None:
         return None
-    return clones(v) if isinstance(v, list) else v.clone()
+    return [copy_arg(t) for t in v] if isinstance(v, list) else v.clone()
 
 
 def torch_call(op: str, arg: str, a: dict, device: str) -> None:
@@ -962,6 +962,7 @@ BAD_INPUTS = [
     (FUSED, "next_scale", zeros(dtype=F64), RTE, "next_scale must be a Float tensor"),
     (FUSED, "next_scale", zeros(2), RTE, "next_scale must have exactly one element"),
     (FUSED, "next_growth_tracker", zeros(dtype=I64), RTE, "next_growth_tracker must be"),
+    (ALL, "grads", lambda d: [torch.ones(2, device=d), None], TypeError, r"grads\[1\] is None"),
     (ALL, "grads", grads_with(I32, False), NotImpl, r"grads\[0\] has dtype Int.*integer, bool"),
     (ALL, "grads", grads_with(torch.complex64, False), NotImpl, r"grads\[0\] has dtype Complex"),
     (ALL, "grads", grads_with(torch.complex128), NotImpl, r"grads\[1\] has dtype ComplexDouble"),
@@ -990,7 +991,8 @@ def assert_unchanged(a: dict, before: dict) -> None:
         if v is None:
             continue
         if k == "grads":
-            assert_lists_bits([bits(t) for t in v], [bits(t) for t in before[k]], exact_nan=True)
+            v, was = [t for t in v if t is not None], [t for t in before[k] if t is not None]
+            assert_lists_bits([bits(t) for t in v], [bits(t) for t in was], exact_nan=True)
         else:
             assert_bits(bits(v), bits(before[k]), k, exact_nan=True)
 

@@ -138,8 +138,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       PyObject* obj = items[i];
       if (!THPVariable_Check(obj)) {
         raise(PyExc_AssertionError, "expected param to be torch.Tensor, got " +
-                                        std::string(Py_TYPE(obj)->tp_name) + " at " +
-                                        where(gi, i));
+                                        std::string(Py_TYPE(obj)->tp_name) + " at " + where(gi, i));
       }
       const at::Tensor& param = THPVariable_Unpack(obj);
       const at::Tensor& grad = param.grad();
@@ -248,7 +247,8 @@ std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrad
   int64_t cpu_bytes = 0;
   for (const auto& g : groups) {
     if (!g.device.is_cpu()) continue;
-    for (const at::Tensor& t : g.grads) cpu_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    for (const at::Tensor& t : g.grads)
+      cpu_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
   if (cpu_bytes < kLongPassBytes) return std::nullopt;
   for (auto& g : groups) g.own_all();

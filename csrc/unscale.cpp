@@ -4,9 +4,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/irange.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
-#include <c10/util/irange.h>
 
 #include <algorithm>
 #include <functional>
@@ -252,15 +252,15 @@ void unscale_update_scale_autograd(at::TensorList grads, const at::Tensor& found
                                    const at::Tensor& scale, const at::Tensor& growth_tracker,
                                    const at::Tensor& next_scale,
                                    const at::Tensor& next_growth_tracker, double growth_factor,
-                                   double backoff_factor, int64_t growth_interval,
-                                   bool check_only, bool accumulate) {
+                                   double backoff_factor, int64_t growth_interval, bool check_only,
+                                   bool accumulate) {
   using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
   static const auto op = handle<Sig>("ampfused::unscale_update_scale_");
   {
     const at::AutoDispatchBelowADInplaceOrView below;
-    op.call(grads, found_inf, scale, growth_tracker, next_scale, next_growth_tracker,
-            growth_factor, backoff_factor, growth_interval, check_only, accumulate);
+    op.call(grads, found_inf, scale, growth_tracker, next_scale, next_growth_tracker, growth_factor,
+            backoff_factor, growth_interval, check_only, accumulate);
   }
   if (!check_only) {
     for (const at::Tensor& g : grads) bump(g);  // a check-only pass wrote no gradient
@@ -295,11 +295,11 @@ TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
 // A sparse argument routes the call to a sparse dispatch key; the same wrappers run there so
 // their layout checks reject it with a message that names the argument (NotImplementedError, the
 // type of the dispatcher's "Could not run ... SparseCPU" that torch's ops raise).
-#define AMPFUSED_REJECT_LAYOUT(KEY)                                                        \
-  TORCH_LIBRARY_IMPL(ampfused, KEY, m) {                                                   \
-    m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_);     \
-    m.impl("non_finite_check_", &ampfused::non_finite_check_);                             \
-    m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);                     \
+#define AMPFUSED_REJECT_LAYOUT(KEY)                                                    \
+  TORCH_LIBRARY_IMPL(ampfused, KEY, m) {                                               \
+    m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_); \
+    m.impl("non_finite_check_", &ampfused::non_finite_check_);                         \
+    m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);                 \
   }
 AMPFUSED_REJECT_LAYOUT(SparseCPU)
 AMPFUSED_REJECT_LAYOUT(SparseCUDA)

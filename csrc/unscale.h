@@ -88,9 +88,9 @@ struct UpdateArgs {
 
 // What a pass does, in raw pointers (no at::Tensor below the host wrappers).
 struct PassArgs {
-  const float* scale;      // scale (scale_is_inverse == false) or inv_scale (true)
+  const float* scale;  // scale (scale_is_inverse == false) or inv_scale (true)
   bool scale_is_inverse;
-  bool check_only;         // read-only: no gradient is written
+  bool check_only;  // read-only: no gradient is written
   float* found_inf;
   bool overwrite_found_inf;  // write 0.0 when nothing was found (else leave it)
   bool with_update;          // run the UpdateArgs epilogue

@@ -47,7 +47,7 @@ inline uint32_t non_finite(double x) {
 // One dense run: returns whether any input element was inf/NaN.
 template <typename T>
 __attribute__((always_inline)) inline bool process(T* __restrict p, int64_t n,
-                                                 typename OpMath<T>::type inv, bool check_only) {
+                                                   typename OpMath<T>::type inv, bool check_only) {
   using M = typename OpMath<T>::type;
   uint32_t bad = 0;
   if (check_only) {
@@ -85,7 +85,7 @@ inline uint16_t float_to_bf16(float f) {
 }
 
 __attribute__((always_inline)) inline bool process_bf16(uint16_t* __restrict p, int64_t n,
-                                                      float inv, bool check_only) {
+                                                        float inv, bool check_only) {
   uint32_t bad = 0;
   if (check_only) {
     for (int64_t i = 0; i < n; ++i) bad |= (p[i] & 0x7f80u) == 0x7f80u;
@@ -150,8 +150,7 @@ bool process_span(const Span& s, int64_t begin, int64_t end, float inv, bool che
     case at::kFloat:
       return process(static_cast<float*>(s.data) + begin, n, inv, check_only);
     case at::kDouble:
-      return process(static_cast<double*>(s.data) + begin, n, static_cast<double>(inv),
-                     check_only);
+      return process(static_cast<double*>(s.data) + begin, n, static_cast<double>(inv), check_only);
     case at::kHalf:
       return process_half(static_cast<c10::Half*>(s.data) + begin, n, inv, check_only);
     case at::kBFloat16:
@@ -173,7 +172,8 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassArgs& a) {
   const float s = *a.scale;
   const float inv = a.scale_is_inverse ? s : static_cast<float>(1.0 / static_cast<double>(s));
   int64_t total_bytes = 0;
-  for (const Span& sp : spans) total_bytes += sp.numel * static_cast<int64_t>(c10::elementSize(sp.dtype));
+  for (const Span& sp : spans)
+    total_bytes += sp.numel * static_cast<int64_t>(c10::elementSize(sp.dtype));
 
   bool found = false;
   if (total_bytes < kParallelMinBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {

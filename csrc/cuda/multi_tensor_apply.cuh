@@ -12,9 +12,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <cstdint>
 #include <list>
 #include <mutex>
@@ -76,8 +76,8 @@ inline Entry build_entry(const std::vector<Span>& spans, const at::Tensor& like,
                          cudaStream_t stream) {
   int64_t num_chunks = 0;
   for (const Span& s : spans) num_chunks += (s.numel + kChunkSize - 1) / kChunkSize;
-  TORCH_CHECK(spans.size() < (1ull << 31), "ampfused: too many tensors in one call (",
-              spans.size(), "); split the list");
+  TORCH_CHECK(spans.size() < (1ull << 31), "ampfused: too many tensors in one call (", spans.size(),
+              "); split the list");
   const int64_t tensor_bytes = static_cast<int64_t>(spans.size() * sizeof(TensorMeta));
   const int64_t bytes = tensor_bytes + num_chunks * static_cast<int64_t>(sizeof(ChunkMeta));
 
@@ -90,16 +90,15 @@ inline Entry build_entry(const std::vector<Span>& spans, const at::Tensor& like,
   e.view.num_chunks = num_chunks;
   if (bytes == 0) return e;
 
-  at::Tensor host =
-      at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   auto* tm = reinterpret_cast<TensorMeta*>(host.mutable_data_ptr<uint8_t>());
   auto* cm = reinterpret_cast<ChunkMeta*>(host.mutable_data_ptr<uint8_t>() + tensor_bytes);
   int64_t c = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
     tm[i] = TensorMeta{spans[i].data, spans[i].numel, static_cast<int32_t>(spans[i].dtype), 0};
     const int64_t n = (spans[i].numel + kChunkSize - 1) / kChunkSize;
-    for (int64_t k = 0; k < n; ++k) cm[c++] = ChunkMeta{static_cast<int32_t>(i),
-                                                       static_cast<int32_t>(k)};
+    for (int64_t k = 0; k < n; ++k)
+      cm[c++] = ChunkMeta{static_cast<int32_t>(i), static_cast<int32_t>(k)};
   }
   // Pinned source + non_blocking: the caching host allocator keeps `host` alive until the copy
   // on this stream has run, so it is safe to drop our reference right away.

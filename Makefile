@@ -7,8 +7,8 @@ TORCH_VERSION ?= 2.14.1
 VENV ?= .venv
 PIP_ARGS ?=
 # Build and test dependencies (the framework tests skip without lightning/accelerate/transformers).
-PY_DEPS := setuptools wheel ninja pytest numpy expecttest ruff matplotlib tabulate tqdm \
-	lightning accelerate transformers
+PY_DEPS := setuptools wheel ninja pytest numpy expecttest ruff clang-format matplotlib tabulate \
+	tqdm lightning accelerate transformers
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
@@ -58,8 +58,12 @@ $(STAMP): $(DEPS) $(SOURCES)
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	mkdir -p build && touch $@
 
+CXX_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+CLANG_FORMAT := $(PY) -c "import sys, clang_format; sys.argv[0] = 'clang-format'; clang_format.clang_format()"
+
 lint:
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+	$(CLANG_FORMAT) --dry-run --Werror $(CXX_SOURCES)
 
 clean:
 	rm -rf build *.egg-info ampfused/_C*.so

@@ -13,7 +13,7 @@ import torch
 from benchmarks import profiling
 from benchmarks.env import is_gpu
 from benchmarks.methods import Method, Runner
-from benchmarks.timing import MethodTiming, TimingConfig, measure
+from benchmarks.timing import MethodTiming, TimingConfig, error_line, measure
 from benchmarks.workloads import Workload, build
 
 
@@ -164,7 +164,7 @@ def run_workload(
             runners[m.name] = m.factory(gs)
         except Exception as e:  # noqa: BLE001 - reported in the table
             records[m.name].status = "error"
-            records[m.name].note = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            records[m.name].note = error_line(e)
     timings = measure(gs, runners, ctx.timing)
     for name, t in timings.items():
         _fill_timing(records[name], t, runners[name].bytes_moved(gs))

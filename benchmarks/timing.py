@@ -183,6 +183,19 @@ def device_sample(gs: GradSet, runner: Runner, host_estimate_s: float) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def _warm_up(gs: GradSet, r: Runner, cfg: TimingConfig) -> None:
+    """Untimed steps before a method is timed (caches, allocator, CUDA metadata table)."""
+    for _ in range(max(cfg.warmup, 1)):
+        gs.restore()
+        r.reset()
+        r.run()
+
+
+def error_line(e: BaseException) -> str:
+    """A method's failure as one short line for the results table."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
 def _measure_per_step(
     gs: GradSet,
     runners: dict[str, Runner],
@@ -195,15 +208,12 @@ def _measure_per_step(
     active: list[str] = []
     for name, r in runners.items():
         try:
-            for _ in range(max(cfg.warmup, 1)):
-                gs.restore()
-                r.reset()
-                r.run()
+            _warm_up(gs, r, cfg)
             if is_gpu(device):
                 torch.cuda.synchronize(device)
             active.append(name)
         except Exception as e:  # noqa: BLE001 - reported in the results table
-            out[name].error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            out[name].error = error_line(e)
     clock = synced_clock(device)
     timers = {
         name: timeit.Timer(
@@ -230,7 +240,7 @@ def _measure_per_step(
                     est = out[name].wall.median
                     out[name].device.times.append(device_sample(gs, runners[name], est))  # type: ignore[union-attr]
             except Exception as e:  # noqa: BLE001 - e.g. out of memory half way
-                out[name].error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+                out[name].error = error_line(e)
                 active.remove(name)
         if on_round is not None:
             on_round()
@@ -445,10 +455,7 @@ def _measure_batched(
     active: list[str] = []
     for name, r in runners.items():
         try:
-            for _ in range(max(cfg.warmup, 1)):
-                gs.restore()
-                r.reset()
-                r.run()
+            _warm_up(gs, r, cfg)
             clock.synchronize()
             # Calibration: the slope between batches of 1 and 3 iterations (the synchronization
             # each batch ends with cancels) sizes the batches; it also warms the loop's path.
@@ -462,7 +469,7 @@ def _measure_batched(
                 t.device, t.restore_device = Stats(), Stats()
             active.append(name)
         except Exception as e:  # noqa: BLE001 - reported in the results table
-            out[name].error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            out[name].error = error_line(e)
     timed = dict.fromkeys(active, 0.0)
     t_start = time.perf_counter()
     gc.collect()
@@ -492,7 +499,7 @@ def _measure_batched(
                     t.restore_device.times.append(d.restore_device)  # type: ignore[union-attr]
                     t.spin_overruns += d.overrun
             except Exception as e:  # noqa: BLE001 - e.g. out of memory half way
-                t.error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+                t.error = error_line(e)
                 active.remove(name)
         if on_round is not None:
             on_round()

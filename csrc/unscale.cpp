@@ -18,13 +18,9 @@ bool is_supported_dtype(c10::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
-// Exception types follow torch's ops for the same input (a subclass where ours is more
-// specific), so `except RuntimeError:` keeps working: TORCH_CHECK (RuntimeError) where torch's
-// kernels check (numel, dtype, device of the state tensors and gradients),
-// TORCH_CHECK_NOT_IMPLEMENTED (NotImplementedError, a RuntimeError) where torch has no kernel
-// (sparse or other non-strided layouts, which the dispatcher rejects; integer, bool, complex and
-// float8 gradients, which its dtype dispatch rejects), TORCH_CHECK_TYPE (TypeError) for an
-// undefined tensor, which torch's Python binding rejects as None.
+// Exception types are torch's for the same input (contract: unscale.h): TORCH_CHECK for
+// RuntimeError, TORCH_CHECK_NOT_IMPLEMENTED for NotImplementedError, TORCH_CHECK_TYPE for
+// TypeError.
 
 // A one-element state tensor: scale, inv_scale, found_inf, growth tracker and their pending twins.
 void check_state(const at::Tensor& t, const char* name, c10::ScalarType dtype,

@@ -20,8 +20,9 @@ PY := $(PYTHON)
 DEPS :=
 endif
 
-SOURCES := setup.py ampfused/_build_check.py \
-	$(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+CXX_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu \
+	csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
+SOURCES := setup.py ampfused/_build_check.py $(CXX_SOURCES)
 # One in-place _C for the whole tree: the stamp names the interpreter it was built for, and
 # installing for another interpreter deletes the other stamps so switching back rebuilds.
 STAMP := build/.installed-$(subst /,_,$(PY))
@@ -58,7 +59,6 @@ $(STAMP): $(DEPS) $(SOURCES)
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	mkdir -p build && touch $@
 
-CXX_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 CLANG_FORMAT := $(PY) -c "import sys, clang_format; sys.argv[0] = 'clang-format'; clang_format.clang_format()"
 
 lint:

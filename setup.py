@@ -84,12 +84,8 @@ def _pip_cuda_includes() -> list[str]:
 
 def extensions():
     with_cuda = _want_cuda()
-    sources = [
-        "csrc/ampfused.cpp",
-        "csrc/unscale.cpp",
-        "csrc/grad_gather.cpp",
-        "csrc/cpu/unscale_cpu.cpp",
-    ]
+    # Every C++ file of csrc/ and csrc/cpu/ is built; csrc/cuda/ only with the CUDA kernels.
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
     extra_link = ["-fopenmp"] + ([_TORCH_LIBSTDCXX] if _TORCH_LIBSTDCXX else [])
     if not with_cuda:
@@ -105,7 +101,7 @@ def extensions():
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         # No GPU to ask: build for the common datacenter parts, 9.0 (Hopper) included, plus PTX.
         os.environ["TORCH_CUDA_ARCH_LIST"] = "7.5;8.0;9.0+PTX"
-    sources.append("csrc/cuda/unscale_cuda.cu")
+    sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]  # never --use_fast_math
     return [
         cpp_extension.CUDAExtension(

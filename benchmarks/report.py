@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from benchmarks.fmt import fmt_bytes, fmt_gbps, fmt_time, fmt_x  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.suite import Record  # noqa: E402
 from benchmarks.targets import TargetResult  # noqa: E402
@@ -36,47 +37,8 @@ QUESTION_TITLES = {
 }
 
 
-# --------------------------------------------------------------------------- formatting
-def fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us" if s < 1e-5 else f"{s * 1e6:.0f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
-
-
-def fmt_x(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}x"
-
-
-def fmt_gbps(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.1f}" if x >= 1 else f"{x:.3f}"
-
-
-def fmt_bytes(n: int) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    if n >= 1e6:
-        return f"{n / 1e6:.1f} MB"
-    if n >= 1e3:
-        return f"{n / 1e3:.1f} kB"
-    return f"{n} B"
-
-
 def _workload_key(r: Record) -> tuple:
     return (r.workload, r.dtype, r.inject_inf, r.realloc)
-
-
-def _label(r: Record) -> str:
-    return (
-        f"{r.workload} {r.dtype}"
-        + (" +inf" if r.inject_inf else "")
-        + (" realloc" if r.realloc else "")
-    )
 
 
 def _batched(records: Sequence[Record]) -> bool:
@@ -127,7 +89,7 @@ def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
     for by in _grouped(records).values():
         any_r = next(iter(by.values()))
         a, t = by.get("ampfused"), by.get("torch")
-        row: list[Any] = [_label(any_r), any_r.n_tensors, fmt_bytes(any_r.grad_bytes)]
+        row: list[Any] = [any_r.label, any_r.n_tensors, fmt_bytes(any_r.grad_bytes)]
         row += [_cell(by.get(m)) for m in methods]
         row += [
             fmt_gbps(a.gbps) if a and a.ok else "-",
@@ -174,7 +136,7 @@ def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
     rows = []
     for r in records:
         row: list[Any] = [
-            _label(r),
+            r.label,
             r.method,
             fmt_time(r.median_s) if r.ok else r.status,
             fmt_time(r.iqr_s),

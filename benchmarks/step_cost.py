@@ -20,6 +20,7 @@ import time
 import torch
 from tabulate import tabulate
 
+from benchmarks.fmt import fmt_time
 from benchmarks.methods import METHODS
 from benchmarks.suite import Context, Record, run_workload
 from benchmarks.timing import TIMING_MODES, TimingConfig
@@ -52,16 +53,6 @@ def measure(ctx: Context) -> list[Record]:
         records += run_workload(ctx, QUESTION, w, methods)
         ctx.tick()
     return records
-
-
-def fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
 
 
 def table(records: list[Record], tablefmt: str = "simple") -> str:

@@ -97,6 +97,16 @@ class Record:
         return self.status == "ok" and self.median_s is not None
 
     @property
+    def variant(self) -> str:
+        """What sets this workload apart from the plain one: " +inf", " realloc", both or ""."""
+        return (" +inf" if self.inject_inf else "") + (" realloc" if self.realloc else "")
+
+    @property
+    def label(self) -> str:
+        """The workload as the tables name it: "1000 x 1K fp32 +inf realloc"."""
+        return f"{self.workload} {self.dtype}{self.variant}"
+
+    @property
     def iqr_s(self) -> float | None:
         if self.q1_s is None or self.q3_s is None:
             return None
@@ -189,7 +199,7 @@ def run_workload(
     gc.collect()
     if is_gpu(ctx.device):
         torch.cuda.empty_cache()
-    _derive(list(records.values()))
+    derive(list(records.values()))
     for r in records.values():
         r.workload_wall_s = round(time.perf_counter() - t0, 2)
     return list(records.values())
@@ -227,7 +237,7 @@ def _fill_timing(rec: Record, t: MethodTiming, nbytes: int) -> None:
             rec.device_gbps = nbytes / rec.device_median_s / 1e9
 
 
-def _derive(recs: list[Record]) -> None:
+def derive(recs: list[Record]) -> None:
     """Ratios within one workload's records."""
     by = {r.method: r for r in recs if r.ok}
     floor, copy, ref = by.get("floor-mul"), by.get("floor-copy"), by.get("torch")

@@ -38,14 +38,6 @@ def _get(
     return None
 
 
-def _where(r: Record) -> str:
-    return (
-        f"{r.workload} {r.dtype}"
-        + (" +inf" if r.inject_inf else "")
-        + (" realloc" if r.realloc else "")
-    )
-
-
 def cpu_targets(records: list[Record]) -> list[TargetResult]:
     out: list[TargetResult] = []
     for workload, need in (("3000 x 16", 10.0), ("1000 x 1K", 5.0)):
@@ -114,7 +106,7 @@ def never_slower(records: list[Record]) -> TargetResult:
         else "no workload with both scalers"
     )
     if bad:
-        detail += "; slower on: " + ", ".join(f"{r.question}:{_where(r)}" for r in bad[:6])
+        detail += "; slower on: " + ", ".join(f"{r.question}:{r.label}" for r in bad[:6])
     return TargetResult(
         "never slower than torch",
         "on every workload, ampfused.GradScaler not slower than torch.amp.GradScaler "
@@ -146,7 +138,7 @@ def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[Targe
                 req,
                 f"{frac:.0%}",
                 frac >= 0.9,
-                f"worst: {worst.question}:{_where(worst)}",
+                f"worst: {worst.question}:{worst.label}",
             )
         )
     else:
@@ -165,7 +157,7 @@ def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[Targe
                 req,
                 f"{worst.speedup_vs_torch:.2f}x",
                 worst.speedup_vs_torch >= 5.0,  # type: ignore[operator]
-                f"worst: {worst.question}:{_where(worst)}",
+                f"worst: {worst.question}:{worst.label}",
             )
         )
     else:

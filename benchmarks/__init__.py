@@ -3,6 +3,8 @@
 Modules: :mod:`~benchmarks.workloads` (shape lists and gradient sets), :mod:`~benchmarks.methods`
 (what is compared), :mod:`~benchmarks.timing` (interleaved synchronized timing),
 :mod:`~benchmarks.profiling` (op counts), :mod:`~benchmarks.suite` (records), one ``bench_*``
-module per question plus :mod:`~benchmarks.step_cost`, :mod:`~benchmarks.targets` and
-:mod:`~benchmarks.report`.  Results live in ``benchmarks/results/<device>/``.
+module per question plus :mod:`~benchmarks.step_cost`, :mod:`~benchmarks.targets`,
+:mod:`~benchmarks.report`, :mod:`~benchmarks.results_io` (the results files) and
+:mod:`~benchmarks.compare` (two runs side by side).  Results live in
+``benchmarks/results/<device>/``.
 """

@@ -23,12 +23,14 @@ interval) and raise the exception torch would raise then, with a message naming 
 written is never kept.
 
 Under ``torch.compile`` the scaler behaves as torch's does there.  torch's scaler is on dynamo's
-skip list: its methods run eagerly between graphs, and the optimizer's ``step`` they call is
-compiled as a frame of its own.  Tracing the scaler instead would add a graph wherever its
-operations are not next to the user's (torch's optimizers break the graph around every step
-under compile), so each public method here runs eagerly too (``torch.compiler.disable``) and
-``step`` hands the optimizer's step to torch.compile as its own frame.  Graphs, graph breaks and
-results are those of torch's scaler; the work between them is the fused C++ path.
+skip list: compiled code calls its methods at a graph break, they run eagerly, and the
+optimizer's ``step`` they call is compiled as a frame of its own.  Tracing the scaler instead
+would add a graph wherever its operations are not next to the user's (torch's optimizers break
+the graph before and after every step under compile).  So each method torch.compile can meet is
+marked not to be traced, and inside a compiled region it runs with dynamo's frame evaluation
+off (``torch.compiler.disable``), except that ``step`` calls the optimizer's step with it on.
+Graphs, graph breaks and results are those of torch's scaler; the work between the graphs is the
+fused C++ path, at eager speed.
 """
 
 from __future__ import annotations

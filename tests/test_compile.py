@@ -11,6 +11,8 @@ backoff) and uses growth_interval=2, so the scale also grows.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -159,3 +161,14 @@ def test_graph_breaks_no_more_than_torch(kind: str, clip: bool) -> None:
     assert ours.graph_break_count <= theirs.graph_break_count, counts
     if kind == "fused_adamw":
         assert ours.graph_break_count <= 0, counts
+
+
+def test_import_does_not_load_dynamo() -> None:
+    # torch._dynamo takes seconds to import; eager users of the scaler must not pay for it.
+    code = (
+        "import sys, torch; before = 'torch._dynamo' in sys.modules; import ampfused; "
+        "print(before, 'torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = out.stdout.split()
+    assert after == before, "import ampfused imported torch._dynamo"

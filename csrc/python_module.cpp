@@ -15,6 +15,7 @@
 
 #include "grad_gather.h"
 #include "ops.h"
+#include "unscale_math.h"
 
 namespace py = pybind11;
 
@@ -81,6 +82,29 @@ std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& in
     found.emplace_back(g.device, f);
   }
   return found;
+}
+
+// Test hook: the shared per-element code (unscale_math.h) called the way the CUDA kernel calls
+// it - one element at a time, inv_is_one a run-time value - in place over a contiguous CPU
+// tensor; returns whether an element was inf/NaN.  The CPU kernel calls the same functions with
+// constant modes in vectorized loops (where the compiler may fold v * 1 to v); the tests run
+// both on every special value, so the CUDA form of each fact is tested without a GPU.
+bool visit_elements(const at::Tensor& t, double inv_scale, bool check_only) {
+  TORCH_CHECK(t.is_cpu() && t.is_contiguous(), "_visit_elements takes a contiguous CPU tensor");
+  const float inv = static_cast<float>(inv_scale);
+  const bool inv_is_one = inv == 1.0f;
+  uint32_t bad = 0;
+  const bool known = visit_grad_dtype(t.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(t.data_ptr());
+    const auto m = static_cast<opmath_t<T>>(inv);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      bad |=
+          check_only ? visit<T, true>(p[i], m, inv_is_one) : visit<T, false>(p[i], m, inv_is_one);
+    }
+  });
+  TORCH_CHECK_NOT_IMPLEMENTED(known, "_visit_elements: ", t.scalar_type(), " is not a grad dtype");
+  return bad != 0;
 }
 
 // The eager entry points of ampfused.ops: the op called through its typed handle with the
@@ -204,6 +228,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"));
   m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
         py::arg("found_inf"), py::arg("allow_fp16"));
+  m.def("_visit_elements", &ampfused::visit_elements, py::arg("tensor"), py::arg("inv_scale"),
+        py::arg("check_only"));
   if (PyModule_AddFunctions(m.ptr(), ampfused::eager_calls) != 0) throw py::error_already_set();
 #ifdef AMPFUSED_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -173,13 +173,29 @@ AMPFUSED_INLINE M unscaled(M v, M inv, bool inv_is_one) {
   return inv_is_one ? v : v * inv;
 }
 
+// The finiteness test of a stored element: on the storage bits for the 16-bit formats (the same
+// answer as testing the converted value, with no conversion).
+template <typename T>
+AMPFUSED_INLINE uint32_t non_finite_stored(T x) {
+  return non_finite(to_opmath(x));
+}
+template <>
+AMPFUSED_INLINE uint32_t non_finite_stored<c10::Half>(c10::Half x) {
+  return non_finite_half_bits(x.x);
+}
+template <>
+AMPFUSED_INLINE uint32_t non_finite_stored<c10::BFloat16>(c10::BFloat16 x) {
+  return non_finite_bf16_bits(x.x);
+}
+
 // One gradient element: returns 1 if the *input* is inf/NaN; unless kCheckOnly, x becomes the
 // unscaled value rounded to its dtype.  Backends pass inv_is_one as a constant where they have
 // specialised loops, so the select folds away.
 template <typename T, bool kCheckOnly>
 AMPFUSED_INLINE uint32_t visit(T& x, opmath_t<T> inv, bool inv_is_one) {
+  if (kCheckOnly) return non_finite_stored(x);
   const opmath_t<T> v = to_opmath(x);
-  if (!kCheckOnly) x = to_storage<T>(unscaled(v, inv, inv_is_one));
+  x = to_storage<T>(unscaled(v, inv, inv_is_one));
   return non_finite(v);
 }
 

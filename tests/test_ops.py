@@ -699,6 +699,16 @@ def test_every_16_bit_pattern(device, dtype, inv):
     if dtype == BF16:
         nan_bits = grads[0].cpu().view(torch.int16)[expected.isnan()]
         assert (nan_bits == 0x7FC0).all(), f"bfloat16 NaN stored as {nan_bits.unique()}"
+    # The same shared functions called as the CUDA kernel calls them (one element at a time,
+    # inv_is_one at run time): the same bits.
+    cuda_form = x.clone()
+    assert _C._visit_elements(cuda_form, inv, False)
+    assert_bits(cuda_form, expected, f"{dtype_id(dtype)} patterns, CUDA form")
+    if dtype == BF16:
+        assert_bits(cuda_form, grads[0], "CUDA form vs kernel", exact_nan=True)
+    assert _C._visit_elements(x, 1.0, True) and not _C._visit_elements(
+        x[torch.isfinite(x)], 1.0, True
+    )
     # The finiteness test, pattern by pattern: the finite ones pass, each non-finite one is found
     # (one call over every non-finite pattern placed alone between finite neighbours).
     finite = x[torch.isfinite(x)]
@@ -733,6 +743,14 @@ def test_nan_payloads_and_signed_zero(device, dtype):
         assert_found(f_ours, 1.0)
         if inv == 1.0:
             assert_bits(ours[0], x.to(device), "written back unchanged", exact_nan=True)
+        # The shared per-element code as the CUDA kernel calls it (inv_is_one at run time).
+        cuda_form = x.clone()
+        assert _C._visit_elements(cuda_form, inv, False)
+        expected = x if inv == 1.0 else theirs[0].cpu()
+        if inv == 1.0 or device == "cpu":
+            assert_bits(
+                cuda_form, expected, f"{dtype_id(dtype)} inv={inv}, CUDA form", exact_nan=True
+            )
 
 
 # (dtype, storage offset in elements, length): data_ptr not 16-byte aligned

@@ -30,7 +30,11 @@ template <typename T>
 AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool check_only) {
   uint32_t bad = 0;
   if (check_only) {
-    for (int64_t i = 0; i < n; ++i) bad |= visit<T, true>(p[i], inv, false);
+    // Accumulated in lanes of the element's width, so 16-bit grads are tested 16 bits a lane.
+    using Lane = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+    Lane lane_bad = 0;
+    for (int64_t i = 0; i < n; ++i) lane_bad |= static_cast<Lane>(visit<T, true>(p[i], inv, false));
+    bad = lane_bad;
   } else if (inv == opmath_t<T>(1)) {
     for (int64_t i = 0; i < n; ++i) bad |= visit<T, false>(p[i], inv, true);
   } else {
@@ -39,14 +43,14 @@ AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool c
   return bad != 0;
 }
 
-// float16 needs hardware conversion to vectorize (c10::Half's software conversion has branches):
-// an F16C/AVX2 loop, chosen at run time, with the scalar loop for other CPUs and for the tail.
-// Same results as visit<c10::Half> (the scalar tail): the same bit test, the same multiply-or-pass
-// rule, and vcvtps2ph with round-to-nearest-even is IEEE conversion, as is c10::Half.
+// Unscaling float16 needs hardware conversion to vectorize (c10::Half's software conversion has
+// branches): an F16C/AVX2 loop, chosen at run time, with the scalar loop for other CPUs and for
+// the tail.  Same results as visit<c10::Half> (the tail): the same bit test, the same
+// multiply-or-pass rule, and vcvtps2ph with round-to-nearest-even is IEEE conversion, as is
+// c10::Half.  A check-only pass needs no conversion: process() tests the bits, vectorized.
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMPFUSED_HAVE_F16C_PATH 1
-__attribute__((target("avx2,f16c"))) bool process_half_f16c(c10::Half* p, int64_t n, float inv,
-                                                            bool check_only) {
+__attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_t n, float inv) {
   const __m128i exp_mask = _mm_set1_epi16(kHalfExpMask);
   const __m256 vinv = _mm256_set1_ps(inv);
   __m128i bad = _mm_setzero_si128();
@@ -56,20 +60,19 @@ __attribute__((target("avx2,f16c"))) bool process_half_f16c(c10::Half* p, int64_
     const __m128i h = _mm_loadu_si128(at);
     // non_finite_half_bits, eight at a time.
     bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask));
-    if (check_only) continue;
     __m256 f = _mm256_cvtph_ps(h);
     if (inv != 1.0f) f = _mm256_mul_ps(f, vinv);
     _mm_storeu_si128(at, _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   const bool vec_bad = _mm_movemask_epi8(bad) != 0;
-  return process(p + i, n - i, inv, check_only) || vec_bad;
+  return process(p + i, n - i, inv, /*check_only=*/false) || vec_bad;
 }
 #endif
 
-bool process_half(c10::Half* p, int64_t n, float inv, bool check_only) {
+AMPFUSED_INLINE bool process_half(c10::Half* p, int64_t n, float inv, bool check_only) {
 #ifdef AMPFUSED_HAVE_F16C_PATH
   static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (f16c) return process_half_f16c(p, n, inv, check_only);
+  if (f16c && !check_only) return unscale_half_f16c(p, n, inv);
 #endif
   return process(p, n, inv, check_only);
 }

@@ -185,25 +185,28 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
 namespace {
 constexpr int64_t kLongPassBytes = 1 << 20;
 
-int64_t cpu_bytes(at::TensorList grads) {
+int64_t bytes_of(at::TensorList grads) {
   int64_t bytes = 0;
-  for (const at::Tensor& t : grads) {
-    if (t.is_cpu()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
-  }
+  for (const at::Tensor& t : grads) bytes += t.numel() * static_cast<int64_t>(t.element_size());
   return bytes;
 }
 }  // namespace
 
 std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups) {
   int64_t bytes = 0;
-  for (const auto& g : groups) bytes += cpu_bytes(g.grads);
+  for (const auto& g : groups) {
+    if (g.device.is_cpu()) bytes += bytes_of(g.grads);
+  }
   if (bytes < kLongPassBytes) return std::nullopt;
   for (auto& g : groups) g.own_all();
   return std::make_optional<py::gil_scoped_release>();
 }
 
 std::optional<py::gil_scoped_release> release_gil_if_long(GradList& grads) {
-  if (cpu_bytes(grads.grads) < kLongPassBytes) return std::nullopt;
+  // One device per call (the ops check it): the first grad's says whether this is a CPU pass.
+  if (grads.grads.empty() || !grads.grads[0].is_cpu() || bytes_of(grads.grads) < kLongPassBytes) {
+    return std::nullopt;
+  }
   grads.own_all();
   return std::make_optional<py::gil_scoped_release>();
 }

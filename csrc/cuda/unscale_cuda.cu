@@ -18,39 +18,13 @@ namespace ampfused {
 namespace cuda {
 namespace {
 
-template <typename T>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
-};
-
-// Bit tests: exact whatever the compiler flags, and float64 is tested in float64.
-__device__ __forceinline__ bool non_finite(float x) {
-  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
-}
-__device__ __forceinline__ bool non_finite(double x) {
-  return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull) ==
-         0x7ff0000000000000ull;
-}
-
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
 template <typename T, bool kCheckOnly>
-__device__ __forceinline__ bool visit(T& x, typename OpMath<T>::type inv, bool inv_is_one) {
-  using M = typename OpMath<T>::type;
-  const M v = static_cast<M>(x);
-  if (!kCheckOnly) x = static_cast<T>(inv_is_one ? v : v * inv);
-  return non_finite(v);
-}
-
-template <typename T, bool kCheckOnly>
-__device__ bool process_chunk(T* p, int64_t n, typename OpMath<T>::type inv, bool inv_is_one) {
+__device__ bool process_chunk(T* p, int64_t n, opmath_t<T> inv, bool inv_is_one) {
   constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
   using V = Vec<T, kVec>;
   // Table pointers reach us as void*: without this the compiler emits generic LD/ST.
@@ -95,14 +69,12 @@ __device__ bool process_chunk(T* p, int64_t n, typename OpMath<T>::type inv, boo
 
 struct KernelArgs {
   MetaTable table;
-  PassArgs pass;
-  bool last_block_finishes;  // overwrite found_inf and/or fused update: needs the whole grid
+  PassParams pass;
 };
 
 template <bool kCheckOnly>
 __global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
-  const float s = *k.pass.scale;
-  const float inv = k.pass.scale_is_inverse ? s : static_cast<float>(1.0 / static_cast<double>(s));
+  const float inv = k.pass.inv_scale();
   const bool inv_is_one = inv == 1.0f;
   bool bad = false;
   for (int64_t c = blockIdx.x; c < k.table.num_chunks; c += gridDim.x) {
@@ -110,30 +82,17 @@ __global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
     const TensorMeta tm = k.table.tensors[cm.tensor];
     const int64_t start = static_cast<int64_t>(cm.chunk) * kChunkSize;
     const int64_t n = min(kChunkSize, tm.numel - start);
-    switch (static_cast<c10::ScalarType>(tm.dtype)) {
-      case c10::ScalarType::Float:
-        bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(tm.data) + start, n, inv,
-                                                inv_is_one);
-        break;
-      case c10::ScalarType::Half:
-        bad |= process_chunk<c10::Half, kCheckOnly>(static_cast<c10::Half*>(tm.data) + start, n,
-                                                    inv, inv_is_one);
-        break;
-      case c10::ScalarType::BFloat16:
-        bad |= process_chunk<c10::BFloat16, kCheckOnly>(
-            static_cast<c10::BFloat16*>(tm.data) + start, n, inv, inv_is_one);
-        break;
-      case c10::ScalarType::Double:
-        bad |= process_chunk<double, kCheckOnly>(static_cast<double*>(tm.data) + start, n,
-                                                 static_cast<double>(inv), inv_is_one);
-        break;
-      default:
-        break;  // rejected on the host
-    }
+    // Uniform across the block (one chunk, one tensor): no divergence.  Other dtypes are
+    // rejected on the host.
+    visit_grad_dtype(static_cast<c10::ScalarType>(tm.dtype), [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      bad |= process_chunk<T, kCheckOnly>(static_cast<T*>(tm.data) + start, n,
+                                          static_cast<opmath_t<T>>(inv), inv_is_one);
+    });
   }
   bad = __syncthreads_or(bad);
 
-  if (!k.last_block_finishes) {
+  if (!k.pass.needs_whole_pass()) {
     // torch's contract (set, never clear): every writer stores 1.0, so the race is benign.
     if (bad && threadIdx.x == 0) *k.pass.found_inf = 1.0f;
     return;
@@ -173,11 +132,11 @@ int64_t resident_blocks(int device) {
 }  // namespace
 }  // namespace cuda
 
-void launch_pass_cuda(const std::vector<Span>& spans, const PassArgs& args,
+void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
                       const at::Tensor& any_device_tensor) {
   const c10::cuda::CUDAGuard guard(any_device_tensor.device());
   const cuda::MetaTable table = cuda::get_meta_table(spans, any_device_tensor);
-  cuda::KernelArgs k{table, args, args.overwrite_found_inf || args.with_update};
+  cuda::KernelArgs k{table, args};
   const int device = any_device_tensor.get_device();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // At least one block: the epilogue runs even for an empty list.

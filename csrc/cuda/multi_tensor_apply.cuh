@@ -20,29 +20,17 @@
 #include <mutex>
 #include <vector>
 
+#include "launch_table.h"
 #include "unscale.h"
 
 namespace ampfused {
 namespace cuda {
 
 constexpr int kBlockSize = 512;
-constexpr int64_t kChunkSize = 65536;  // elements per work item, any dtype
-constexpr int kVecBytes = 16;          // one 16-byte load/store per thread per vector
-constexpr int kUnroll = 4;             // vectors in flight per thread
+constexpr int kVecBytes = 16;  // one 16-byte load/store per thread per vector
+constexpr int kUnroll = 4;     // vectors in flight per thread
 constexpr size_t kCacheEntries = 16;
 constexpr int kWorkspaceInts = 2;  // [0] found flag, [1] finished-block counter
-
-struct TensorMeta {
-  void* data;
-  int64_t numel;
-  int32_t dtype;  // c10::ScalarType
-  int32_t reserved;
-};
-
-struct ChunkMeta {
-  int32_t tensor;  // index into the TensorMeta table
-  int32_t chunk;   // chunk index inside that tensor (element offset chunk * kChunkSize)
-};
 
 struct MetaTable {
   const TensorMeta* tensors = nullptr;
@@ -62,51 +50,28 @@ struct Entry {
   MetaTable view;
 };
 
-inline bool same_spans(const std::vector<Span>& a, const std::vector<Span>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].data != b[i].data || a[i].numel != b[i].numel || a[i].dtype != b[i].dtype) {
-      return false;
-    }
-  }
-  return true;
-}
-
 inline Entry build_entry(const std::vector<Span>& spans, const at::Tensor& like,
                          cudaStream_t stream) {
-  int64_t num_chunks = 0;
-  for (const Span& s : spans) num_chunks += (s.numel + kChunkSize - 1) / kChunkSize;
-  TORCH_CHECK(spans.size() < (1ull << 31), "ampfused: too many tensors in one call (", spans.size(),
-              "); split the list");
-  const int64_t tensor_bytes = static_cast<int64_t>(spans.size() * sizeof(TensorMeta));
-  const int64_t bytes = tensor_bytes + num_chunks * static_cast<int64_t>(sizeof(ChunkMeta));
-
+  const TableLayout layout = table_layout(spans);
   Entry e;
   e.device = like.get_device();
   e.stream = stream;
   e.key = spans;
   e.workspace = at::zeros({kWorkspaceInts}, like.options().dtype(at::kInt));
   e.view.workspace = e.workspace.mutable_data_ptr<int>();
-  e.view.num_chunks = num_chunks;
-  if (bytes == 0) return e;
+  e.view.num_chunks = layout.num_chunks;
+  if (layout.bytes == 0) return e;
 
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  auto* tm = reinterpret_cast<TensorMeta*>(host.mutable_data_ptr<uint8_t>());
-  auto* cm = reinterpret_cast<ChunkMeta*>(host.mutable_data_ptr<uint8_t>() + tensor_bytes);
-  int64_t c = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    tm[i] = TensorMeta{spans[i].data, spans[i].numel, static_cast<int32_t>(spans[i].dtype), 0};
-    const int64_t n = (spans[i].numel + kChunkSize - 1) / kChunkSize;
-    for (int64_t k = 0; k < n; ++k)
-      cm[c++] = ChunkMeta{static_cast<int32_t>(i), static_cast<int32_t>(k)};
-  }
+  at::Tensor host =
+      at::empty({layout.bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  fill_table(spans, layout, host.mutable_data_ptr<uint8_t>());
   // Pinned source + non_blocking: the caching host allocator keeps `host` alive until the copy
   // on this stream has run, so it is safe to drop our reference right away.
-  e.table = at::empty({bytes}, like.options().dtype(at::kByte));
+  e.table = at::empty({layout.bytes}, like.options().dtype(at::kByte));
   e.table.copy_(host, /*non_blocking=*/true);
   const uint8_t* base = e.table.const_data_ptr<uint8_t>();
   e.view.tensors = reinterpret_cast<const TensorMeta*>(base);
-  e.view.chunks = reinterpret_cast<const ChunkMeta*>(base + tensor_bytes);
+  e.view.chunks = reinterpret_cast<const ChunkMeta*>(base + layout.tensor_bytes);
   return e;
 }
 
@@ -121,7 +86,7 @@ inline MetaTable get_meta_table(const std::vector<Span>& spans, const at::Tensor
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   std::lock_guard<std::mutex> lock(mu);
   for (auto it = cache.begin(); it != cache.end(); ++it) {
-    if (it->device == device && it->stream == stream && detail::same_spans(it->key, spans)) {
+    if (it->device == device && it->stream == stream && same_spans(it->key, spans)) {
       cache.splice(cache.begin(), cache, it);
       return cache.front().view;
     }

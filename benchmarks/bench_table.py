@@ -1,6 +1,6 @@
-"""Question: what does the host spend building the CUDA launch's metadata table, per tensor, when
-the gradient set is the same as last step (cached) and when every gradient was reallocated
-(``zero_grad(set_to_none=True)``)?  Runs on the CPU: the builder is plain host code.
+"""Question: what does the host spend building the CUDA launch's work list (csrc/launch_table.h),
+per tensor, when the gradient set is the same as last step (cached) and when every gradient was
+reallocated (``zero_grad(set_to_none=True)``)?  Runs on the CPU: the builder is plain host code.
 
 ``PYTHONPATH=$PWD python -m benchmarks.bench_table`` prints one row per gradient set; each figure
 is the median over ``--repeats`` runs of ``--iters`` builds, timed inside the extension.

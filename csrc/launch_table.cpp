@@ -1,46 +1,47 @@
-// Host side of the CUDA launch metadata (launch_table.h), and private ops that expose it to the
-// CPU tests and benchmarks/bench_table.py.
+// The work list of one CUDA pass (launch_table.h), and private ops that expose it to the CPU
+// tests and benchmarks/bench_table.py.
 #include "launch_table.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <chrono>
-#include <list>
+#include <cstring>
 
 namespace ampfused {
 
-TableLayout table_layout(const std::vector<Span>& spans) {
-  int64_t num_chunks = 0;
-  for (const Span& s : spans) num_chunks += (s.numel + kChunkSize - 1) / kChunkSize;
-  TORCH_CHECK(spans.size() < (1ull << 31), "ampfused: too many tensors in one call (", spans.size(),
-              "); split the list");
-  const int64_t tensor_bytes = static_cast<int64_t>(spans.size() * sizeof(TensorMeta));
-  return {num_chunks, tensor_bytes,
-          tensor_bytes + num_chunks * static_cast<int64_t>(sizeof(ChunkMeta))};
+LaunchPlanner::LaunchPlanner(const std::vector<Span>& spans) : spans_(spans) {
+  for (const Span& s : spans) total_ += (s.numel + kChunkSize - 1) / kChunkSize;
 }
 
-void fill_table(const std::vector<Span>& spans, const TableLayout& layout, uint8_t* out) {
-  auto* tm = reinterpret_cast<TensorMeta*>(out);
-  auto* cm = reinterpret_cast<ChunkMeta*>(out + layout.tensor_bytes);
-  int64_t c = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    tm[i] = TensorMeta{spans[i].data, spans[i].numel, static_cast<int32_t>(spans[i].dtype), 0};
-    const int64_t n = (spans[i].numel + kChunkSize - 1) / kChunkSize;
-    for (int64_t k = 0; k < n; ++k)
-      cm[c++] = ChunkMeta{static_cast<int32_t>(i), static_cast<int32_t>(k)};
+int64_t LaunchPlanner::next_capacity() const {
+  const int64_t remaining = total_ - handed_out_;
+  for (const int64_t cap : kLaunchCapacities) {
+    if (remaining <= cap) return cap;
   }
+  return kLaunchCapacities.back();
 }
 
-bool same_spans(const std::vector<Span>& a, const std::vector<Span>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].data != b[i].data || a[i].numel != b[i].numel || a[i].dtype != b[i].dtype) {
-      return false;
+int64_t LaunchPlanner::fill(WorkItem* out, int64_t capacity) {
+  started_ = true;
+  int64_t n = 0;
+  while (n < capacity && span_ < spans_.size()) {
+    const Span& s = spans_[span_];
+    const int64_t start = chunk_ * kChunkSize;
+    if (start >= s.numel) {  // past the end of this span (or a zero-size one)
+      ++span_;
+      chunk_ = 0;
+      continue;
     }
+    out[n++] = WorkItem{static_cast<char*>(s.data) + start * c10::elementSize(s.dtype),
+                        static_cast<uint32_t>(std::min(kChunkSize, s.numel - start)),
+                        static_cast<int32_t>(s.dtype)};
+    ++chunk_;
   }
-  return true;
+  handed_out_ += n;
+  return n;
 }
 
 namespace {
@@ -52,46 +53,45 @@ std::vector<Span> spans_of(at::TensorList tensors) {
   return spans;
 }
 
+// Every launch of the pass as bytes: per launch, int64 capacity, int64 item count, then the
+// items (16 bytes each).
 at::Tensor launch_table(at::TensorList tensors) {
   const std::vector<Span> spans = spans_of(tensors);
-  const TableLayout layout = table_layout(spans);
-  at::Tensor out = at::empty({layout.bytes}, at::kByte);
-  fill_table(spans, layout, out.mutable_data_ptr<uint8_t>());
+  LaunchPlanner plan(spans);
+  std::vector<uint8_t> bytes;
+  std::vector<WorkItem> items(static_cast<size_t>(kLaunchCapacities.back()));
+  do {
+    const int64_t capacity = plan.next_capacity();
+    const int64_t head[2] = {capacity, plan.fill(items.data(), capacity)};
+    const auto* h = reinterpret_cast<const uint8_t*>(head);
+    const auto* it = reinterpret_cast<const uint8_t*>(items.data());
+    bytes.insert(bytes.end(), h, h + sizeof(head));
+    bytes.insert(bytes.end(), it, it + head[1] * static_cast<int64_t>(sizeof(WorkItem)));
+  } while (!plan.done());
+  at::Tensor out = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(out.mutable_data_ptr<uint8_t>(), bytes.data(), bytes.size());
   return out;
 }
 
-// Host cost of one launch's metadata, in ns per tensor: the cache walk of get_meta_table and, on a
-// miss, the key copy and table build.  `realloc` shifts every pointer on each call, as
-// zero_grad(set_to_none=True) does; the pinned allocation and copy of a real miss are not in it.
+// Host cost of one pass's work list, in ns per tensor: exactly what launch_pass_cuda does before
+// each kernel launch (plan, fill the parameter block).  `realloc` moves every pointer on each
+// call, as zero_grad(set_to_none=True) does; the same code runs either way.
 double bench_launch_table(at::TensorList tensors, int64_t iters, bool realloc) {
-  struct Entry {
-    std::vector<Span> key;
-    std::vector<uint8_t> table;
-  };
-  constexpr size_t kEntries = 16;
-  std::list<Entry> cache;
   std::vector<Span> spans = spans_of(tensors);
+  static WorkItem params[kLaunchCapacities.back()];  // stands in for the kernel parameters
+  int64_t sink = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t it = 0; it < iters; ++it) {
     if (realloc) {
       for (Span& s : spans) s.data = static_cast<char*>(s.data) + 256;
     }
-    bool hit = false;
-    for (auto e = cache.begin(); e != cache.end(); ++e) {
-      if (same_spans(e->key, spans)) {
-        cache.splice(cache.begin(), cache, e);
-        hit = true;
-        break;
-      }
-    }
-    if (hit) continue;
-    const TableLayout layout = table_layout(spans);
-    Entry e{spans, std::vector<uint8_t>(static_cast<size_t>(layout.bytes))};
-    fill_table(spans, layout, e.table.data());
-    cache.push_front(std::move(e));
-    if (cache.size() > kEntries) cache.pop_back();
+    LaunchPlanner plan(spans);
+    do {
+      sink += plan.fill(params, plan.next_capacity());
+    } while (!plan.done());
   }
   const std::chrono::duration<double, std::nano> dt = std::chrono::steady_clock::now() - start;
+  TORCH_CHECK(sink >= 0);  // keeps the loop from being optimized away
   return dt.count() / static_cast<double>(iters) /
          static_cast<double>(std::max<size_t>(1, spans.size()));
 }

@@ -1,8 +1,23 @@
-// Host side of the CUDA launch metadata (used by cuda/multi_tensor_apply.cuh): the table of
-// tensors and work chunks is built by plain host code, so it is unit-tested and benchmarked on
-// the CPU (private ops in launch_table.cpp).
+// The work list of one CUDA pass, built by plain host code: no GPU is needed to run it, so it is
+// unit-tested and benchmarked on the CPU (private ops in launch_table.cpp).
+//
+// A pass is cut into work items of at most kChunkSize elements of one tensor, 16 bytes each
+// (pointer, count, dtype), and the items travel BY VALUE in the kernel's parameters: CUDA 12.1+
+// accepts 32,764 bytes of parameters on Volta and newer (every arch we build, 7.5/8.0/9.0), so
+// one launch carries up to kLaunchCapacities.back() items and a larger pass takes several
+// launches.  Why by value and not a cached device table (what this replaced):
+// - a reallocated gradient set (zero_grad(set_to_none=True)) costs exactly what an unchanged one
+//   costs, because nothing is cached: no key copy or compare, no pinned host buffer, no device
+//   buffer, no host-to-device copy, no table eviction;
+// - a CUDA graph that captures the launch owns a copy of its parameters, so a captured pass
+//   outlives any cache and a pass over gradients allocated during the capture needs nothing
+//   prepared beforehand;
+// - the kernel reads its item in one load from the constant bank instead of two dependent
+//   global loads (chunk, then tensor).
+// Parameter bytes are copied by the driver at every launch, so small passes use a smaller class.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -12,27 +27,36 @@ namespace ampfused {
 
 constexpr int64_t kChunkSize = 65536;  // elements per work item, any dtype
 
-struct TensorMeta {
-  void* data;
-  int64_t numel;
-  int32_t dtype;  // c10::ScalarType
-  int32_t reserved;
+struct WorkItem {
+  void* data;      // first element of the item
+  uint32_t numel;  // 1..kChunkSize
+  int32_t dtype;   // c10::ScalarType
 };
+static_assert(sizeof(WorkItem) == 16, "WorkItem is a 16-byte kernel parameter record");
 
-struct ChunkMeta {
-  int32_t tensor;  // index into the TensorMeta table
-  int32_t chunk;   // chunk index inside that tensor (element offset chunk * kChunkSize)
+// Item capacities of a launch, smallest first; the largest keeps a launch's parameters under
+// 32,764 bytes (checked where the kernel arguments are defined).
+constexpr std::array<int64_t, 3> kLaunchCapacities = {16, 256, 2032};
+
+// Hands out the work items of `spans` launch by launch: every launch but the last is full and
+// of the largest class; the last takes the smallest class that holds what is left.  Zero-size
+// spans give no item; an empty pass is one launch of zero items.
+class LaunchPlanner {
+ public:
+  explicit LaunchPlanner(const std::vector<Span>& spans);
+  int64_t total_items() const { return total_; }
+  bool done() const { return handed_out_ == total_ && started_; }
+  int64_t next_capacity() const;
+  // Writes the next min(capacity, remaining) items to `out` and returns their count.
+  int64_t fill(WorkItem* out, int64_t capacity);
+
+ private:
+  const std::vector<Span>& spans_;
+  int64_t total_ = 0;
+  int64_t handed_out_ = 0;
+  bool started_ = false;
+  size_t span_ = 0;    // cursor: span of the next item
+  int64_t chunk_ = 0;  // and its chunk inside that span
 };
-
-// Byte layout of one table: TensorMeta[spans.size()] then ChunkMeta[num_chunks].
-struct TableLayout {
-  int64_t num_chunks;
-  int64_t tensor_bytes;
-  int64_t bytes;
-};
-
-TableLayout table_layout(const std::vector<Span>& spans);
-void fill_table(const std::vector<Span>& spans, const TableLayout& layout, uint8_t* out);
-bool same_spans(const std::vector<Span>& a, const std::vector<Span>& b);
 
 }  // namespace ampfused

@@ -1,13 +1,12 @@
 // CUDA kernel of the unscale op family (contract: unscale.h).
 //
-// One launch per call: a persistent grid walks the chunk table of multi_tensor_apply.cuh, each
-// chunk switching on its tensor's dtype (uniform across the block, so no divergence).  Inside a
-// chunk: a scalar head up to the first 16-byte boundary, 16-byte vectors with kUnroll loads in
-// flight per thread, and a scalar tail, so misaligned views still get the vector path.  The pass
-// result is reduced with __syncthreads_or per block; when found_inf must be overwritten or the
-// scale update is fused, the last block to finish (threadfence + atomic ticket) writes found_inf
-// and the pending scale/tracker, and resets the workspace.
+// A persistent grid walks the work items of multi_tensor_apply.cuh, each item switching on its
+// tensor's dtype (uniform across the block, so no divergence).  Inside an item: a scalar head up
+// to the first 16-byte boundary, 16-byte vectors with kUnroll loads in flight per thread, and a
+// scalar tail, so misaligned views still get the vector path.  The pass result is reduced with
+// __syncthreads_or per block and handled as the launch's Epilogue says.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -49,36 +48,37 @@ __device__ __forceinline__ bool visit(T& x, typename OpMath<T>::type inv, bool i
   return non_finite(v);
 }
 
+// n <= kChunkSize, so every index of an item fits in int.
 template <typename T, bool kCheckOnly>
-__device__ bool process_chunk(T* p, int64_t n, typename OpMath<T>::type inv, bool inv_is_one) {
+__device__ bool process_chunk(T* p, int n, typename OpMath<T>::type inv, bool inv_is_one) {
   constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
+  constexpr int kStride = kBlockSize;  // every launch uses kBlockSize threads
   using V = Vec<T, kVec>;
-  // Table pointers reach us as void*: without this the compiler emits generic LD/ST.
+  // Item pointers reach us as void*: without this the compiler emits generic LD/ST.
   __builtin_assume(__isGlobal(p));
   bool bad = false;
-  // Chunks start at multiples of kChunkSize elements, so a chunk is as aligned as its tensor;
+  // Items start at multiples of kChunkSize elements, so an item is as aligned as its tensor;
   // peel the elements before the first 16-byte boundary.
   const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  int64_t head = static_cast<int64_t>(((kVecBytes - addr % kVecBytes) % kVecBytes) / sizeof(T));
+  int head = static_cast<int>(((kVecBytes - addr % kVecBytes) % kVecBytes) / sizeof(T));
   if (addr % sizeof(T) != 0 || head > n) head = n;
-  const int64_t nvec = (n - head) / kVec;
-  const int64_t tail = head + nvec * kVec;
-  const int64_t tid = threadIdx.x;
-  const int64_t stride = blockDim.x;
+  const int nvec = (n - head) / kVec;
+  const int tail = head + nvec * kVec;
+  const int tid = static_cast<int>(threadIdx.x);
 
-  for (int64_t i = tid; i < head; i += stride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+  for (int i = tid; i < head; i += kStride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
 
   V* vp = reinterpret_cast<V*>(p + head);
-  for (int64_t base = tid; base < nvec; base += stride * kUnroll) {
+  for (int base = tid; base < nvec; base += kStride * kUnroll) {
     V r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * stride;
+      const int i = base + u * kStride;
       if (i < nvec) r[u] = vp[i];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * stride;
+      const int i = base + u * kStride;
       if (i < nvec) {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) bad |= visit<T, kCheckOnly>(r[u].v[k], inv, inv_is_one);
@@ -87,44 +87,37 @@ __device__ bool process_chunk(T* p, int64_t n, typename OpMath<T>::type inv, boo
     }
   }
 
-  for (int64_t i = tail + tid; i < n; i += stride) {
-    bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
-  }
+  for (int i = tail + tid; i < n; i += kStride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
   return bad;
 }
 
-struct KernelArgs {
-  MetaTable table;
-  PassArgs pass;
-  bool last_block_finishes;  // overwrite found_inf and/or fused update: needs the whole grid
-};
+template <int64_t kCapacity>
+using KernelArgs = LaunchArgs<PassArgs, kCapacity>;
 
-template <bool kCheckOnly>
-__global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
+template <bool kCheckOnly, int64_t kCapacity>
+__global__ void __launch_bounds__(kBlockSize)
+    unscale_kernel(const __grid_constant__ KernelArgs<kCapacity> k) {
   const float s = *k.pass.scale;
   const float inv = k.pass.scale_is_inverse ? s : static_cast<float>(1.0 / static_cast<double>(s));
   const bool inv_is_one = inv == 1.0f;
   bool bad = false;
-  for (int64_t c = blockIdx.x; c < k.table.num_chunks; c += gridDim.x) {
-    const ChunkMeta cm = k.table.chunks[c];
-    const TensorMeta tm = k.table.tensors[cm.tensor];
-    const int64_t start = static_cast<int64_t>(cm.chunk) * kChunkSize;
-    const int64_t n = min(kChunkSize, tm.numel - start);
-    switch (static_cast<c10::ScalarType>(tm.dtype)) {
+  for (int c = static_cast<int>(blockIdx.x); c < k.num_items; c += static_cast<int>(gridDim.x)) {
+    const WorkItem w = k.items[c];  // one load from the constant bank, uniform across the block
+    const int n = static_cast<int>(w.numel);
+    switch (static_cast<c10::ScalarType>(w.dtype)) {
       case c10::ScalarType::Float:
-        bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(tm.data) + start, n, inv,
-                                                inv_is_one);
+        bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(w.data), n, inv, inv_is_one);
         break;
       case c10::ScalarType::Half:
-        bad |= process_chunk<c10::Half, kCheckOnly>(static_cast<c10::Half*>(tm.data) + start, n,
-                                                    inv, inv_is_one);
+        bad |= process_chunk<c10::Half, kCheckOnly>(static_cast<c10::Half*>(w.data), n, inv,
+                                                    inv_is_one);
         break;
       case c10::ScalarType::BFloat16:
-        bad |= process_chunk<c10::BFloat16, kCheckOnly>(
-            static_cast<c10::BFloat16*>(tm.data) + start, n, inv, inv_is_one);
+        bad |= process_chunk<c10::BFloat16, kCheckOnly>(static_cast<c10::BFloat16*>(w.data), n, inv,
+                                                        inv_is_one);
         break;
       case c10::ScalarType::Double:
-        bad |= process_chunk<double, kCheckOnly>(static_cast<double*>(tm.data) + start, n,
+        bad |= process_chunk<double, kCheckOnly>(static_cast<double*>(w.data), n,
                                                  static_cast<double>(inv), inv_is_one);
         break;
       default:
@@ -133,13 +126,18 @@ __global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
   }
   bad = __syncthreads_or(bad);
 
-  if (!k.last_block_finishes) {
+  if (k.epilogue == Epilogue::kSetFlag) {
     // torch's contract (set, never clear): every writer stores 1.0, so the race is benign.
     if (bad && threadIdx.x == 0) *k.pass.found_inf = 1.0f;
     return;
   }
+  int* ws = k.workspace;
+  if (k.epilogue == Epilogue::kAccumulate) {
+    // The kernel boundary orders this before the reads of the pass's kFinish launch.
+    if (bad && threadIdx.x == 0) atomicOr(&ws[0], 1);
+    return;
+  }
   __shared__ bool is_last;
-  int* ws = k.table.workspace;
   if (threadIdx.x == 0) {
     if (bad) atomicOr(&ws[0], 1);
     __threadfence();  // publish this block's flag before it counts as finished
@@ -150,24 +148,31 @@ __global__ void __launch_bounds__(kBlockSize) unscale_kernel(KernelArgs k) {
   if (is_last && threadIdx.x == 0) {
     __threadfence();
     const bool found = atomicExch(&ws[0], 0) != 0;
-    ws[1] = 0;  // leave the workspace zeroed for the next launch on this stream
+    ws[1] = 0;  // leave the workspace zeroed for the next pass on this stream
     finish_pass(found, k.pass);
   }
 }
 
-// Blocks of this kernel that fit on the device at once (it needs ~128 registers per thread, so
-// usually one 512-thread block per SM): the persistent grid never runs in waves.
-template <bool kCheckOnly>
-int64_t resident_blocks(int device) {
-  static int cached[64] = {0};  // per device; a racing first call computes the same value
-  int& n = cached[device % 64];
-  if (n == 0) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, unscale_kernel<kCheckOnly>, kBlockSize, 0));
-    n = at::cuda::getDeviceProperties(device)->multiProcessorCount * std::max(1, per_sm);
+// One launch: the next items of `plan`, as many as the class kCapacity holds.
+template <int64_t kCapacity>
+void launch_items(LaunchPlanner& plan, const PassArgs& pass, bool hand_off, int* workspace,
+                  int device, cudaStream_t stream) {
+  static_assert(sizeof(KernelArgs<kCapacity>) <= kMaxKernelParamBytes,
+                "kernel parameters over the CUDA limit: lower the largest kLaunchCapacities");
+  KernelArgs<kCapacity> k;  // items past num_items stay unset: the kernel never reads them
+  k.pass = pass;
+  k.workspace = workspace;
+  k.num_items = static_cast<int32_t>(plan.fill(k.items, kCapacity));
+  k.epilogue =
+      !hand_off ? Epilogue::kSetFlag : (plan.done() ? Epilogue::kFinish : Epilogue::kAccumulate);
+  if (pass.check_only) {
+    constexpr auto kernel = unscale_kernel<true, kCapacity>;
+    kernel<<<grid_size(k.num_items, resident_blocks<kernel>(device)), kBlockSize, 0, stream>>>(k);
+  } else {
+    constexpr auto kernel = unscale_kernel<false, kCapacity>;
+    kernel<<<grid_size(k.num_items, resident_blocks<kernel>(device)), kBlockSize, 0, stream>>>(k);
   }
-  return n;
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -176,22 +181,27 @@ int64_t resident_blocks(int device) {
 void launch_pass_cuda(const std::vector<Span>& spans, const PassArgs& args,
                       const at::Tensor& any_device_tensor) {
   const c10::cuda::CUDAGuard guard(any_device_tensor.device());
-  const cuda::MetaTable table = cuda::get_meta_table(spans, any_device_tensor);
-  cuda::KernelArgs k{table, args, args.overwrite_found_inf || args.with_update};
   const int device = any_device_tensor.get_device();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  // At least one block: the epilogue runs even for an empty list.
-  const auto grid = [&](int64_t resident) {
-    return static_cast<unsigned>(std::max<int64_t>(1, std::min(table.num_chunks, resident)));
-  };
-  if (args.check_only) {
-    cuda::unscale_kernel<true>
-        <<<grid(cuda::resident_blocks<true>(device)), cuda::kBlockSize, 0, stream>>>(k);
-  } else {
-    cuda::unscale_kernel<false>
-        <<<grid(cuda::resident_blocks<false>(device)), cuda::kBlockSize, 0, stream>>>(k);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  // Overwriting found_inf or updating the scale needs the whole pass's result in one place.
+  const bool hand_off = args.overwrite_found_inf || args.with_update;
+  LaunchPlanner plan(spans);
+  if (plan.total_items() == 0 && !hand_off) return;  // nothing to visit, nothing to write
+  const at::Tensor workspace =
+      hand_off ? cuda::pass_workspace(any_device_tensor, stream) : at::Tensor();
+  int* ws = hand_off ? workspace.mutable_data_ptr<int>() : nullptr;
+  constexpr auto kCap = kLaunchCapacities;
+  do {
+    const int64_t capacity = plan.next_capacity();
+    if (capacity == kCap[0]) {
+      cuda::launch_items<kCap[0]>(plan, args, hand_off, ws, device, stream);
+    } else if (capacity == kCap[1]) {
+      cuda::launch_items<kCap[1]>(plan, args, hand_off, ws, device, stream);
+    } else {
+      static_assert(kCap.size() == 3, "one branch per launch capacity");
+      cuda::launch_items<kCap[2]>(plan, args, hand_off, ws, device, stream);
+    }
+  } while (!plan.done());
 }
 
 }  // namespace ampfused

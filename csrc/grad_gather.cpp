@@ -8,7 +8,6 @@
 // takes torch's Python path, which dispatches through the subclass.  param_groups and each
 // group's 'params' may be any iterable, as in torch's Python loop; a generator is read once.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -16,6 +15,9 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "ops.h"
+#include "unscale_math.h"
 
 namespace py = pybind11;
 
@@ -152,8 +154,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
                   "model.half()).");
       }
       const at::Layout layout = grad.layout();
-      const bool kernel_dtype = dtype == at::kFloat || dtype == at::kHalf ||
-                                dtype == at::kBFloat16 || dtype == at::kDouble;
+      const bool kernel_dtype = is_grad_dtype(dtype);
       const bool kernel_layout = layout == at::kStrided || layout == at::kSparse;
       if (C10_UNLIKELY(!kernel_dtype || !kernel_layout || skip_rest)) {
         // After an error to raise or a fallback decision, only errors are looked for.
@@ -162,8 +163,8 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
         if (!kernel_dtype) {
           unsupported = "unscaling " + std::string(c10::toString(dtype)) +
                         " gradients is not implemented: " + where(gi, i) +
-                        ".grad has that dtype; GradScaler unscales float16, bfloat16, float32 "
-                        "and float64 gradients only";
+                        ".grad has that dtype; GradScaler unscales " + kGradDtypeNames +
+                        " gradients only";
         } else if (!kernel_layout) {
           unsupported = where(gi, i) + ".grad has layout " + c10::str(layout) +
                         "; GradScaler unscales dense (strided) and sparse COO gradients only";
@@ -214,30 +215,6 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
   return out;
 }
 
-const c10::TypedOperatorHandle<void(at::TensorList, const at::Tensor&, const at::Tensor&)>&
-unscale_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ampfused::non_finite_check_and_unscale_", "")
-                       .typed<void(at::TensorList, const at::Tensor&, const at::Tensor&)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<void(at::TensorList, const at::Tensor&)>& check_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ampfused::non_finite_check_", "")
-                       .typed<void(at::TensorList, const at::Tensor&)>();
-  return op;
-}
-
-using FusedSig = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
-const c10::TypedOperatorHandle<FusedSig>& fused_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ampfused::unscale_update_scale_", "")
-                       .typed<FusedSig>();
-  return op;
-}
-
 using Found = std::vector<std::pair<at::Device, at::Tensor>>;
 
 // Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
@@ -272,17 +249,19 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
   for (auto& g : *groups) {
     if (g.device == scale.device()) {
       at::Tensor f = at::empty({}, scale.options());
-      fused_op().call(g.grads, f, scale, growth_tracker, next_scale, next_growth_tracker,
-                      growth_factor, backoff_factor, growth_interval, check_only, accumulate);
+      ops::unscale_update_scale_::call(g.grads, f, scale, growth_tracker, next_scale,
+                                       next_growth_tracker, growth_factor, backoff_factor,
+                                       growth_interval, check_only, accumulate);
       found.emplace_back(g.device, f);
       continue;
     }
     at::Tensor f = at::zeros({}, scale.options().device(g.device));
     if (check_only) {
-      check_op().call(g.grads, f);
+      ops::non_finite_check_::call(g.grads, f);
     } else {
       if (!inv_scale.defined()) inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
-      unscale_op().call(g.grads, f, inv_scale.to(g.device, /*non_blocking=*/true));
+      ops::non_finite_check_and_unscale_::call(g.grads, f,
+                                               inv_scale.to(g.device, /*non_blocking=*/true));
     }
     found.emplace_back(g.device, f);
   }
@@ -306,7 +285,7 @@ std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& in
     at::Tensor inv = g.device == inv_scale.device()
                          ? inv_scale
                          : inv_scale.to(g.device, /*non_blocking=*/true, /*copy=*/true);
-    unscale_op().call(g.grads, f, inv);
+    ops::non_finite_check_and_unscale_::call(g.grads, f, inv);
     found.emplace_back(g.device, f);
   }
   return found;

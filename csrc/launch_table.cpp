@@ -13,7 +13,19 @@
 namespace ampfused {
 
 LaunchPlanner::LaunchPlanner(const std::vector<Span>& spans) : spans_(spans) {
-  for (const Span& s : spans) total_ += (s.numel + kChunkSize - 1) / kChunkSize;
+  // Locals, not members, in the loops: a member store could alias a span as far as the
+  // compiler knows, and would be reloaded every iteration.
+  int64_t total = 0;
+  c10::ScalarType uniform = c10::ScalarType::Undefined;
+  bool mixed = false;
+  for (const Span& s : spans) {
+    if (s.numel == 0) continue;
+    total += (s.numel + kChunkSize - 1) / kChunkSize;
+    mixed |= uniform != c10::ScalarType::Undefined && s.dtype != uniform;
+    uniform = s.dtype;
+  }
+  total_ = total;
+  uniform_ = mixed ? c10::ScalarType::Undefined : uniform;
 }
 
 int64_t LaunchPlanner::next_capacity() const {
@@ -25,22 +37,37 @@ int64_t LaunchPlanner::next_capacity() const {
 }
 
 int64_t LaunchPlanner::fill(WorkItem* out, int64_t capacity) {
-  started_ = true;
+  const Span* const spans = spans_.data();
+  const size_t num_spans = spans_.size();
+  size_t span = span_;
+  int64_t chunk = chunk_;
   int64_t n = 0;
-  while (n < capacity && span_ < spans_.size()) {
-    const Span& s = spans_[span_];
-    const int64_t start = chunk_ * kChunkSize;
-    if (start >= s.numel) {  // past the end of this span (or a zero-size one)
-      ++span_;
-      chunk_ = 0;
+  while (n < capacity && span < num_spans) {
+    const Span& s = spans[span];
+    if (chunk == 0 && s.numel <= kChunkSize) {  // one item or none: the common, fast case
+      if (s.numel > 0) {
+        out[n++] = WorkItem{s.data, static_cast<uint32_t>(s.numel), static_cast<int32_t>(s.dtype)};
+      }
+      ++span;
       continue;
     }
-    out[n++] = WorkItem{static_cast<char*>(s.data) + start * c10::elementSize(s.dtype),
-                        static_cast<uint32_t>(std::min(kChunkSize, s.numel - start)),
-                        static_cast<int32_t>(s.dtype)};
-    ++chunk_;
+    auto* const data = static_cast<char*>(s.data);
+    const int64_t item_bytes = kChunkSize * static_cast<int64_t>(c10::elementSize(s.dtype));
+    const auto dtype = static_cast<int32_t>(s.dtype);
+    int64_t start = chunk * kChunkSize;
+    for (; start < s.numel && n < capacity; start += kChunkSize, ++chunk) {
+      out[n++] = WorkItem{data + chunk * item_bytes,
+                          static_cast<uint32_t>(std::min(kChunkSize, s.numel - start)), dtype};
+    }
+    if (start >= s.numel) {  // this span is done (a zero-size one gives no item)
+      ++span;
+      chunk = 0;
+    }
   }
+  span_ = span;
+  chunk_ = chunk;
   handed_out_ += n;
+  started_ = true;
   return n;
 }
 
@@ -53,12 +80,16 @@ std::vector<Span> spans_of(at::TensorList tensors) {
   return spans;
 }
 
-// Every launch of the pass as bytes: per launch, int64 capacity, int64 item count, then the
-// items (16 bytes each).
+// The pass as bytes: int64 uniform dtype (c10::ScalarType, -1 for Undefined), then per launch
+// int64 capacity, int64 item count and the items (16 bytes each).
 at::Tensor launch_table(at::TensorList tensors) {
   const std::vector<Span> spans = spans_of(tensors);
   LaunchPlanner plan(spans);
-  std::vector<uint8_t> bytes;
+  const int64_t uniform = plan.uniform_dtype() == c10::ScalarType::Undefined
+                              ? -1
+                              : static_cast<int64_t>(plan.uniform_dtype());
+  std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(&uniform),
+                             reinterpret_cast<const uint8_t*>(&uniform + 1));
   std::vector<WorkItem> items(static_cast<size_t>(kLaunchCapacities.back()));
   do {
     const int64_t capacity = plan.next_capacity();

@@ -36,7 +36,7 @@ static_assert(sizeof(WorkItem) == 16, "WorkItem is a 16-byte kernel parameter re
 
 // Item capacities of a launch, smallest first; the largest keeps a launch's parameters under
 // 32,764 bytes (checked where the kernel arguments are defined).
-constexpr std::array<int64_t, 3> kLaunchCapacities = {16, 256, 2032};
+constexpr std::array<int64_t, 2> kLaunchCapacities = {256, 2032};
 
 // Hands out the work items of `spans` launch by launch: every launch but the last is full and
 // of the largest class; the last takes the smallest class that holds what is left.  Zero-size
@@ -45,6 +45,9 @@ class LaunchPlanner {
  public:
   explicit LaunchPlanner(const std::vector<Span>& spans);
   int64_t total_items() const { return total_; }
+  // The dtype of every item, or Undefined when they differ or there is none: a pass of one
+  // dtype can take a kernel compiled for it alone.
+  c10::ScalarType uniform_dtype() const { return uniform_; }
   bool done() const { return handed_out_ == total_ && started_; }
   int64_t next_capacity() const;
   // Writes the next min(capacity, remaining) items to `out` and returns their count.
@@ -53,6 +56,7 @@ class LaunchPlanner {
  private:
   const std::vector<Span>& spans_;
   int64_t total_ = 0;
+  c10::ScalarType uniform_ = c10::ScalarType::Undefined;
   int64_t handed_out_ = 0;
   bool started_ = false;
   size_t span_ = 0;    // cursor: span of the next item

@@ -1,22 +1,20 @@
 // Host side of the unscale op family (contract: unscale.h): argument checks, the slow path for
-// non-dense gradients, and the hand-off of dense spans to the CPU or CUDA kernel.
+// non-dense gradients, the hand-off of dense spans to a backend's launcher, the Autograd-key
+// kernels, and the kernels of the keys that only reject (sparse layouts, CUDA in a CPU-only
+// build).  The CPU and CUDA keys register in their backend's directory.
 #include "unscale.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
+#include <type_traits>
 
 namespace ampfused {
-namespace {
-
-bool is_supported_dtype(c10::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
-}
 
 // Exception types are torch's for the same input (contract: unscale.h): TORCH_CHECK for
 // RuntimeError, TORCH_CHECK_NOT_IMPLEMENTED for NotImplementedError, TORCH_CHECK_TYPE for
@@ -56,15 +54,18 @@ void check_grads(at::TensorList grads, const at::Device& device) {
         g.layout() == at::kStrided, "grads[", i, "] has layout ", g.layout(),
         "; pass dense tensors (for a sparse COO gradient pass grad._values())");
     TORCH_CHECK_NOT_IMPLEMENTED(
-        is_supported_dtype(g.scalar_type()), "grads[", i, "] has dtype ", g.scalar_type(),
-        "; only float16, bfloat16, float32 and float64 gradients can be unscaled "
-        "(integer, bool, complex and float8 gradients are not supported)");
+        is_grad_dtype(g.scalar_type()), "grads[", i, "] has dtype ", g.scalar_type(), "; only ",
+        kGradDtypeNames,
+        " gradients can be unscaled (integer, bool, complex and float8 gradients are not "
+        "supported)");
     TORCH_CHECK(g.device() == device, "grads[", i, "] is on ", g.device(), " but found_inf is on ",
                 device,
                 "; pass the gradients of one device per call, with found_inf and the scale on "
                 "that device (GradScaler groups them by device for you)");
   }
 }
+
+namespace {
 
 // True when no two elements of t share a memory location.  Sufficient test (the usual sorted
 // stride check); a layout it cannot prove is treated as overlapping, which is still correct.
@@ -126,78 +127,33 @@ Prepared prepare(at::TensorList grads, bool check_only) {
   return out;
 }
 
-void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassArgs& args) {
-  Prepared prep = prepare(grads, args.check_only);
-  if (found_inf.is_cpu()) {
-    launch_pass_cpu(prep.spans, args);
-  } else {
-#ifdef AMPFUSED_WITH_CUDA
-    TORCH_CHECK(found_inf.is_cuda(), "ampfused has kernels for CPU and CUDA tensors, got ",
-                found_inf.device());
-    launch_pass_cuda(prep.spans, args, found_inf);
-#else
-    TORCH_CHECK(false, "ampfused was built without CUDA kernels, so it cannot process ",
-                found_inf.device(),
-                " tensors; rebuild it where torch has CUDA and nvcc is found "
-                "(pip install --no-build-isolation .)");
-#endif
-  }
+}  // namespace
+
+void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
+              LaunchFn launch) {
+  Prepared prep = prepare(grads, params.check_only);
+  launch(prep.spans, params, found_inf);
   for (auto& fn : prep.write_back) fn();
 }
 
+namespace {
+
+// The CUDA key of a build without CUDA kernels: the arguments are checked as everywhere, then
+// this says why nothing runs.
+[[maybe_unused]] void launch_pass_without_cuda(const std::vector<Span>&, const PassParams&,
+                                               const at::Tensor& on_device) {
+  TORCH_CHECK(false, "ampfused was built without CUDA kernels, so it cannot process ",
+              on_device.device(),
+              " tensors; rebuild it where torch has CUDA and nvcc is found "
+              "(pip install --no-build-isolation .)");
+}
+
+// Sparse keys: a sparse argument always fails its layout check before anything launches.
+void launch_pass_rejected(const std::vector<Span>&, const PassParams&, const at::Tensor&) {
+  TORCH_INTERNAL_ASSERT(false, "ampfused: a sparse argument passed the layout checks");
+}
+
 }  // namespace
-
-void non_finite_check_and_unscale_(at::TensorList grads, const at::Tensor& found_inf,
-                                   const at::Tensor& inv_scale) {
-  const at::Device device = check_found_inf(found_inf);
-  check_state(inv_scale, "inv_scale", at::kFloat, device);
-  check_grads(grads, device);
-  PassArgs a{};
-  a.scale = inv_scale.const_data_ptr<float>();
-  a.scale_is_inverse = true;
-  a.found_inf = found_inf.mutable_data_ptr<float>();
-  run_pass(grads, found_inf, a);
-}
-
-void non_finite_check_(at::TensorList grads, const at::Tensor& found_inf) {
-  check_grads(grads, check_found_inf(found_inf));
-  PassArgs a{};
-  a.scale = found_inf.const_data_ptr<float>();  // never read: nothing is scaled
-  a.scale_is_inverse = true;
-  a.check_only = true;
-  a.found_inf = found_inf.mutable_data_ptr<float>();
-  run_pass(grads, found_inf, a);
-}
-
-void unscale_update_scale_(at::TensorList grads, const at::Tensor& found_inf,
-                           const at::Tensor& scale, const at::Tensor& growth_tracker,
-                           const at::Tensor& next_scale, const at::Tensor& next_growth_tracker,
-                           double growth_factor, double backoff_factor, int64_t growth_interval,
-                           bool check_only, bool accumulate) {
-  const at::Device device = check_found_inf(found_inf);
-  check_state(scale, "scale", at::kFloat, device);
-  check_state(growth_tracker, "growth_tracker", at::kInt, device);
-  check_state(next_scale, "next_scale", at::kFloat, device);
-  check_state(next_growth_tracker, "next_growth_tracker", at::kInt, device);
-  check_grads(grads, device);
-  PassArgs a{};
-  a.scale = scale.const_data_ptr<float>();
-  a.scale_is_inverse = false;
-  a.check_only = check_only;
-  a.found_inf = found_inf.mutable_data_ptr<float>();
-  a.overwrite_found_inf = true;
-  a.with_update = true;
-  a.update = UpdateArgs{scale.const_data_ptr<float>(),
-                        growth_tracker.const_data_ptr<int32_t>(),
-                        next_scale.mutable_data_ptr<float>(),
-                        next_growth_tracker.mutable_data_ptr<int32_t>(),
-                        growth_factor,
-                        backoff_factor,
-                        growth_interval,
-                        accumulate};
-  run_pass(grads, found_inf, a);
-}
-
 }  // namespace ampfused
 
 namespace ampfused {
@@ -216,88 +172,79 @@ namespace {
 void bump(const at::Tensor& t) {
   if (!t.is_inference()) torch::autograd::impl::bump_version(t);
 }
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+void bump(at::TensorList ts) {
+  for (const at::Tensor& t : ts) bump(t);
 }
 
-void non_finite_check_and_unscale_autograd(at::TensorList grads, const at::Tensor& found_inf,
-                                           const at::Tensor& inv_scale) {
-  using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&);
-  static const auto op = handle<Sig>("ampfused::non_finite_check_and_unscale_");
-  {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    op.call(grads, found_inf, inv_scale);
+// The arguments the schema marks as written (Tensor(a!)), by position.
+std::vector<bool> written_arguments(const c10::FunctionSchema& schema) {
+  std::vector<bool> out;
+  for (const auto& arg : schema.arguments()) {
+    out.push_back(arg.alias_info() != nullptr && arg.alias_info()->isWrite());
   }
-  for (const at::Tensor& g : grads) bump(g);
-  bump(found_inf);
+  return out;
 }
 
-void non_finite_check_autograd(at::TensorList grads, const at::Tensor& found_inf) {
-  using Sig = void(at::TensorList, const at::Tensor&);
-  static const auto op = handle<Sig>("ampfused::non_finite_check_");
-  {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    op.call(grads, found_inf);
+template <typename T>
+void bump_if(bool written, const T& arg) {
+  if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, at::TensorList>) {
+    if (written) bump(arg);
   }
-  bump(found_inf);
 }
 
-void unscale_update_scale_autograd(at::TensorList grads, const at::Tensor& found_inf,
-                                   const at::Tensor& scale, const at::Tensor& growth_tracker,
-                                   const at::Tensor& next_scale,
-                                   const at::Tensor& next_growth_tracker, double growth_factor,
-                                   double backoff_factor, int64_t growth_interval, bool check_only,
-                                   bool accumulate) {
-  using Sig = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                   const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
-  static const auto op = handle<Sig>("ampfused::unscale_update_scale_");
-  {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    op.call(grads, found_inf, scale, growth_tracker, next_scale, next_growth_tracker, growth_factor,
-            backoff_factor, growth_interval, check_only, accumulate);
+template <typename Op, typename Sig = typename Op::Signature>
+struct AutogradKernel;
+
+template <typename Op, typename... Args>
+struct AutogradKernel<Op, void(Args...)> {
+  static void call(Args... args) {
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      Op::call(args...);
+    }
+    static const std::vector<bool> written = written_arguments(Op::handle().schema());
+    if constexpr (std::is_same_v<Op, ops::unscale_update_scale_>) {
+      if (std::get<9>(std::tie(args...))) {  // check_only: no gradient was written
+        bump(std::get<1>(std::tie(args...)));
+        bump(std::get<4>(std::tie(args...)));
+        bump(std::get<5>(std::tie(args...)));
+        return;
+      }
+    }
+    size_t i = 0;
+    (bump_if(written[i++], args), ...);
   }
-  if (!check_only) {
-    for (const at::Tensor& g : grads) bump(g);  // a check-only pass wrote no gradient
-  }
-  bump(found_inf);
-  bump(next_scale);
-  bump(next_growth_tracker);
-}
+};
 
 }  // namespace
 }  // namespace ampfused
 
 TORCH_LIBRARY_IMPL(ampfused, Autograd, m) {
-  m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_autograd);
-  m.impl("non_finite_check_", &ampfused::non_finite_check_autograd);
-  m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_autograd);
+  using namespace ampfused;
+  m.impl(ops::non_finite_check_and_unscale_::kName,
+         &AutogradKernel<ops::non_finite_check_and_unscale_>::call);
+  m.impl(ops::non_finite_check_::kName, &AutogradKernel<ops::non_finite_check_>::call);
+  m.impl(ops::unscale_update_scale_::kName, &AutogradKernel<ops::unscale_update_scale_>::call);
 }
 
-// The host wrappers pick the CPU or CUDA kernel from the device, so one registration per key.
-TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
-  m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_);
-  m.impl("non_finite_check_", &ampfused::non_finite_check_);
-  m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);
-}
-
-TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
-  m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_);
-  m.impl("non_finite_check_", &ampfused::non_finite_check_);
-  m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);
-}
-
-// A sparse argument routes the call to a sparse dispatch key; the same wrappers run there so
+// A sparse argument routes the call to a sparse dispatch key; the shared kernels run there so
 // their layout checks reject it with a message that names the argument (NotImplementedError, the
 // type of the dispatcher's "Could not run ... SparseCPU" that torch's ops raise).
-#define AMPFUSED_REJECT_LAYOUT(KEY)                                                    \
-  TORCH_LIBRARY_IMPL(ampfused, KEY, m) {                                               \
-    m.impl("non_finite_check_and_unscale_", &ampfused::non_finite_check_and_unscale_); \
-    m.impl("non_finite_check_", &ampfused::non_finite_check_);                         \
-    m.impl("unscale_update_scale_", &ampfused::unscale_update_scale_);                 \
-  }
-AMPFUSED_REJECT_LAYOUT(SparseCPU)
-AMPFUSED_REJECT_LAYOUT(SparseCUDA)
-AMPFUSED_REJECT_LAYOUT(SparseCsrCPU)
-AMPFUSED_REJECT_LAYOUT(SparseCsrCUDA)
+TORCH_LIBRARY_IMPL(ampfused, SparseCPU, m) {
+  ampfused::register_kernels<ampfused::launch_pass_rejected>(m);
+}
+TORCH_LIBRARY_IMPL(ampfused, SparseCUDA, m) {
+  ampfused::register_kernels<ampfused::launch_pass_rejected>(m);
+}
+TORCH_LIBRARY_IMPL(ampfused, SparseCsrCPU, m) {
+  ampfused::register_kernels<ampfused::launch_pass_rejected>(m);
+}
+TORCH_LIBRARY_IMPL(ampfused, SparseCsrCUDA, m) {
+  ampfused::register_kernels<ampfused::launch_pass_rejected>(m);
+}
+
+#ifndef AMPFUSED_WITH_CUDA
+TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
+  ampfused::register_kernels<ampfused::launch_pass_without_cuda>(m);
+}
+#endif

@@ -1,4 +1,4 @@
-// The unscale op family: contract, shared types and the scale-update rule.
+// The unscale op family: contract, the backend interface and the op kernels' shared body.
 //
 // Three ops, one pass over every gradient of a list (any count, float16/bfloat16/float32/float64
 // mixed, any size, one device per call), each a single kernel launch on CUDA:
@@ -53,16 +53,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
+#include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
-#if defined(__CUDACC__)
-#define AMPFUSED_HOST_DEVICE __host__ __device__
-#else
-#define AMPFUSED_HOST_DEVICE
-#endif
+#include "ops.h"
+#include "unscale_math.h"
 
 namespace ampfused {
 
@@ -73,88 +70,87 @@ struct Span {
   c10::ScalarType dtype;
 };
 
-// The epilogue of unscale_update_scale_: raw pointers, so the CPU host code and the last CUDA
-// block share one implementation.
-struct UpdateArgs {
-  const float* scale;
-  const int32_t* growth_tracker;
-  float* next_scale;
-  int32_t* next_growth_tracker;
-  double growth_factor;
-  double backoff_factor;
-  int64_t growth_interval;
-  bool accumulate;
-};
-
-// What a pass does, in raw pointers (no at::Tensor below the host wrappers).
-struct PassArgs {
-  const float* scale;  // scale (scale_is_inverse == false) or inv_scale (true)
-  bool scale_is_inverse;
-  bool check_only;  // read-only: no gradient is written
-  float* found_inf;
-  bool overwrite_found_inf;  // write 0.0 when nothing was found (else leave it)
-  bool with_update;          // run the UpdateArgs epilogue
-  UpdateArgs update;
-};
-
-// torch._amp_update_scale_, element for element (aten/src/ATen/native/cuda/AmpKernels.cu).
-AMPFUSED_HOST_DEVICE inline void update_scale_rule(float scale, int32_t tracker, bool found,
-                                                   double growth_factor, double backoff_factor,
-                                                   int64_t growth_interval, float* out_scale,
-                                                   int32_t* out_tracker) {
-  if (found) {
-    *out_scale = static_cast<float>(static_cast<double>(scale) * backoff_factor);
-    *out_tracker = 0;
-    return;
-  }
-  const int32_t successful = tracker + 1;
-  if (successful == growth_interval) {
-    const float grown = static_cast<float>(static_cast<double>(scale) * growth_factor);
-    // A grown scale that overflowed float32 is not taken; the tracker still resets.
-#if defined(__CUDA_ARCH__)
-    const bool ok = isfinite(grown);
-#else
-    const bool ok = std::isfinite(grown);
-#endif
-    *out_scale = ok ? grown : scale;
-    *out_tracker = 0;
-  } else {
-    *out_scale = scale;
-    *out_tracker = successful;
-  }
-}
-
-// Writes found_inf and, with_update, the pending scale/tracker.  Called once per pass, after
-// every element has been checked.
-AMPFUSED_HOST_DEVICE inline void finish_pass(bool found, const PassArgs& a) {
-  if (found) {
-    *a.found_inf = 1.0f;
-  } else if (a.overwrite_found_inf) {
-    *a.found_inf = 0.0f;
-  }
-  if (!a.with_update) return;
-  const UpdateArgs& u = a.update;
-  if (!u.accumulate || found) {
-    update_scale_rule(*u.scale, *u.growth_tracker, found, u.growth_factor, u.backoff_factor,
-                      u.growth_interval, u.next_scale, u.next_growth_tracker);
-  }
-}
-
-// Backend kernels: one pass over all spans (all on the device of the PassArgs pointers).
-void launch_pass_cpu(const std::vector<Span>& spans, const PassArgs& args);
+// A backend's pass over all spans, every pointer on the device of `on_device` (found_inf).
+using LaunchFn = void (*)(const std::vector<Span>& spans, const PassParams& params,
+                          const at::Tensor& on_device);
+void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& params,
+                     const at::Tensor& on_device);
 #ifdef AMPFUSED_WITH_CUDA
-void launch_pass_cuda(const std::vector<Span>& spans, const PassArgs& args,
+void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& params,
                       const at::Tensor& any_device_tensor);
 #endif
 
-// Host wrappers behind the dispatcher (unscale.cpp), one per backend key.
-void non_finite_check_and_unscale_(at::TensorList grads, const at::Tensor& found_inf,
-                                   const at::Tensor& inv_scale);
-void non_finite_check_(at::TensorList grads, const at::Tensor& found_inf);
-void unscale_update_scale_(at::TensorList grads, const at::Tensor& found_inf,
-                           const at::Tensor& scale, const at::Tensor& growth_tracker,
-                           const at::Tensor& next_scale, const at::Tensor& next_growth_tracker,
-                           double growth_factor, double backoff_factor, int64_t growth_interval,
-                           bool check_only, bool accumulate);
+// Shared by every backend's kernels (unscale.cpp).  Each check raises before anything is
+// written, with the exception type the contract above gives.
+at::Device check_found_inf(const at::Tensor& found_inf);  // returns the pass's device
+void check_state(const at::Tensor& t, const char* name, c10::ScalarType dtype,
+                 const at::Device& device);
+void check_grads(at::TensorList grads, const at::Device& device);
+// Packs the non-dense grads, launches the pass over dense spans, writes the packed ones back.
+void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
+              LaunchFn launch);
+
+// The op kernels of one backend, instantiated with its launcher where that backend registers
+// them (csrc/cpu/unscale_cpu.cpp, csrc/cuda/unscale_cuda_ops.cpp): the checks and the
+// PassParams are written once, here; the launcher is the backend's iteration.
+template <LaunchFn Launch>
+struct Kernels {
+  static void non_finite_check_and_unscale_(at::TensorList grads, const at::Tensor& found_inf,
+                                            const at::Tensor& inv_scale) {
+    const at::Device device = check_found_inf(found_inf);
+    check_state(inv_scale, "inv_scale", at::kFloat, device);
+    check_grads(grads, device);
+    PassParams p;
+    p.scale = inv_scale.const_data_ptr<float>();
+    p.scale_is_inverse = true;
+    p.found_inf = found_inf.mutable_data_ptr<float>();
+    run_pass(grads, found_inf, p, Launch);
+  }
+
+  static void non_finite_check_(at::TensorList grads, const at::Tensor& found_inf) {
+    check_grads(grads, check_found_inf(found_inf));
+    PassParams p;  // p.scale stays null: a check-only pass reads no scale
+    p.check_only = true;
+    p.found_inf = found_inf.mutable_data_ptr<float>();
+    run_pass(grads, found_inf, p, Launch);
+  }
+
+  static void unscale_update_scale_(at::TensorList grads, const at::Tensor& found_inf,
+                                    const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                    const at::Tensor& next_scale,
+                                    const at::Tensor& next_growth_tracker, double growth_factor,
+                                    double backoff_factor, int64_t growth_interval, bool check_only,
+                                    bool accumulate) {
+    const at::Device device = check_found_inf(found_inf);
+    check_state(scale, "scale", at::kFloat, device);
+    check_state(growth_tracker, "growth_tracker", at::kInt, device);
+    check_state(next_scale, "next_scale", at::kFloat, device);
+    check_state(next_growth_tracker, "next_growth_tracker", at::kInt, device);
+    check_grads(grads, device);
+    PassParams p;
+    p.scale = scale.const_data_ptr<float>();
+    p.check_only = check_only;
+    p.found_inf = found_inf.mutable_data_ptr<float>();
+    p.overwrite_found_inf = true;
+    p.with_update = true;
+    p.accumulate = accumulate;
+    p.growth_tracker = growth_tracker.const_data_ptr<int32_t>();
+    p.next_scale = next_scale.mutable_data_ptr<float>();
+    p.next_growth_tracker = next_growth_tracker.mutable_data_ptr<int32_t>();
+    p.growth_factor = growth_factor;
+    p.backoff_factor = backoff_factor;
+    p.growth_interval = growth_interval;
+    run_pass(grads, found_inf, p, Launch);
+  }
+};
+
+// Registers Kernels<Launch> for every op, in a TORCH_LIBRARY_IMPL block of one dispatch key.
+template <LaunchFn Launch>
+void register_kernels(torch::Library& m) {
+  m.impl(ops::non_finite_check_and_unscale_::kName,
+         &Kernels<Launch>::non_finite_check_and_unscale_);
+  m.impl(ops::non_finite_check_::kName, &Kernels<Launch>::non_finite_check_);
+  m.impl(ops::unscale_update_scale_::kName, &Kernels<Launch>::unscale_update_scale_);
+}
 
 }  // namespace ampfused

@@ -17,22 +17,31 @@ import torch
 import ampfused  # noqa: F401  (loads the private ops)
 
 CHUNK = 65536
-CAPACITIES = (16, 256, 2032)
+CAPACITIES = (256, 2032)
 # c10::ScalarType codes
 SCALAR_TYPE = {torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bfloat16: 15}
 
 
-def launches(tensors: list[torch.Tensor]) -> list[tuple[int, list[tuple[int, int, int]]]]:
-    """Decodes ``_launch_table``: per launch (capacity, [(data pointer, numel, dtype code)])."""
+Launch = tuple[int, list[tuple[int, int, int]]]
+
+
+def decode(tensors: list[torch.Tensor]) -> tuple[int, list[Launch]]:
+    """Decodes ``_launch_table``: (uniform dtype code or -1, per launch (capacity, [(data
+    pointer, numel, dtype code)]))."""
     raw = torch.ops.ampfused._launch_table(tensors).numpy().tobytes()
-    out, pos = [], 0
+    (uniform,) = struct.unpack_from("<q", raw, 0)
+    out, pos = [], 8
     while pos < len(raw):
         capacity, count = struct.unpack_from("<qq", raw, pos)
         pos += 16
         items = [struct.unpack_from("<QIi", raw, pos + 16 * i) for i in range(count)]
         pos += 16 * count
         out.append((capacity, items))
-    return out
+    return uniform, out
+
+
+def launches(tensors: list[torch.Tensor]) -> list[Launch]:
+    return decode(tensors)[1]
 
 
 def expected_items(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
@@ -106,7 +115,28 @@ def test_big_tensor_spans_launches():
     tensors = [torch.empty(5), t]
     plan = launches(tensors)
     assert all_items(plan) == expected_items(tensors)
-    assert [(c, len(items)) for c, items in plan] == [(CAPACITIES[-1], CAPACITIES[-1]), (16, 4)]
+    assert [(c, len(items)) for c, items in plan] == [
+        (CAPACITIES[-1], CAPACITIES[-1]),
+        (CAPACITIES[0], 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    "dtypes, uniform",
+    [
+        ((torch.float32, torch.float32), SCALAR_TYPE[torch.float32]),
+        ((torch.float16,), SCALAR_TYPE[torch.float16]),
+        ((torch.float32, torch.float64), -1),
+        ((torch.bfloat16, torch.float32, torch.float32), -1),
+        ((), -1),
+    ],
+    ids=str,
+)
+def test_uniform_dtype_picks_the_single_dtype_kernel(dtypes, uniform):
+    # Only a pass whose items all have one dtype may take the kernel compiled for it alone;
+    # zero-size tensors give no item, so their dtype does not count.
+    tensors = [torch.empty(3, dtype=dt) for dt in dtypes] + [torch.empty(0, dtype=torch.float64)]
+    assert decode(tensors)[0] == uniform
 
 
 def test_bench_op_reports_a_time():
@@ -142,11 +172,16 @@ class State:
         return self.found.item(), self.next_scale.item(), self.next_tracker.item()
 
 
-def grad_set(count: int, seed: int, device: str = "cuda") -> list[torch.Tensor]:
+MIXED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+FLOAT32 = (torch.float32,)  # takes the float32-only kernel
+
+
+def grad_set(count: int, seed: int, dtypes=MIXED, device: str = "cuda") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     sizes = [(i * 37 + 5) % 300 + (CHUNK + 1 if i % 97 == 3 else 0) for i in range(count)]
-    cpu = [torch.randn(n, generator=g).to(dtypes[i % 4]) * 1e3 for i, n in enumerate(sizes)]
+    cpu = [
+        torch.randn(n, generator=g).to(dtypes[i % len(dtypes)]) * 1e3 for i, n in enumerate(sizes)
+    ]
     return [t.to(device) for t in cpu]
 
 
@@ -176,12 +211,13 @@ def cpu_fused(grads: list[torch.Tensor], check_only: bool = False):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtypes", [MIXED, FLOAT32], ids=["mixed", "float32"])
 @pytest.mark.parametrize("where", [None, 0, 1000, 2500, -1], ids=lambda w: f"inf@{w}")
 @pytest.mark.parametrize("check_only", [False, True], ids=["unscale", "check_only"])
-def test_multi_launch_pass_matches_cpu(where, check_only):
+def test_multi_launch_pass_matches_cpu(where, check_only, dtypes):
     # 4,200 tensors, some of two items: two full launches and a third; the inf lands in the
     # first, second or last, so the flag has to cross launches through the workspace.
-    grads = with_inf(grad_set(4200, 1), where)
+    grads = with_inf(grad_set(4200, 1, dtypes), where)
     expected, expected_state = cpu_fused(grads, check_only)
     state = State()
     state.fused(grads, check_only)
@@ -189,14 +225,15 @@ def test_multi_launch_pass_matches_cpu(where, check_only):
     assert state.values() == expected_state
     assert expected_state[0] == float(where is not None)
     # The next pass on this stream starts from a zeroed workspace: no stale flag.
-    state.fused(grad_set(4200, 2), check_only=True)
+    state.fused(grad_set(4200, 2, dtypes), check_only=True)
     assert state.values()[0] == 0.0
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtypes", [MIXED, FLOAT32], ids=["mixed", "float32"])
 @pytest.mark.parametrize("count", [40, 4200], ids=["one-launch", "multi-launch"])
-def test_captured_pass_on_new_tensors_survives_churn(count):
-    src = grad_set(count, 3)
+def test_captured_pass_on_new_tensors_survives_churn(count, dtypes):
+    src = grad_set(count, 3, dtypes)
     static_in = [torch.empty_like(t) for t in src]  # never seen by an op before the capture
     state = State()
     graph = torch.cuda.CUDAGraph()

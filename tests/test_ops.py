@@ -677,6 +677,64 @@ def test_inv_scale_one_writes_values_back_unchanged(device, dtype):
     assert_lists_bits(grads, before)
 
 
+@pytest.mark.parametrize(
+    "inv", [1.0, 0.5, 2.0**-16, 1 / 3, 3.0, 2.0**-140], ids=lambda v: f"{v:.3g}"
+)
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_every_16_bit_pattern(device, dtype, inv):
+    """The shared per-element code (csrc/unscale_math.h) on all 65,536 patterns of a 16-bit
+    dtype: the storage -> float -> storage conversions and rounding, the multiply-or-pass rule,
+    and the finiteness test of each pattern.  bfloat16 NaNs are stored as 0x7FC0 on every backend
+    (the shared conversion); 7 extra elements reach the scalar tail after the vector loop."""
+    bits = (torch.arange(65536 + 7, dtype=torch.int32) - 32768).to(torch.int16)
+    x = bits.view(dtype)
+    inv32 = torch.tensor(inv, dtype=F32)
+    wide = x.float()
+    expected = (wide if inv == 1.0 else wide * inv32).to(dtype)  # torch's CPU conversion: RNE
+    grads = [x.clone().to(device)]
+    found = scalar(0.0, device)
+    ops.non_finite_check_and_unscale_(grads, found, scalar(inv, device))
+    assert_bits(grads[0], expected, f"{dtype_id(dtype)} patterns")
+    assert_found(found, 1.0)
+    if dtype == BF16:
+        nan_bits = grads[0].cpu().view(torch.int16)[expected.isnan()]
+        assert (nan_bits == 0x7FC0).all(), f"bfloat16 NaN stored as {nan_bits.unique()}"
+    # The finiteness test, pattern by pattern: the finite ones pass, each non-finite one is found
+    # (one call over every non-finite pattern placed alone between finite neighbours).
+    finite = x[torch.isfinite(x)]
+    for op in OP_NAMES:
+        assert run_op(op, [finite.clone().to(device)], device) == 0.0
+    for k, special in enumerate(x[~torch.isfinite(x)][::37].tolist()):
+        g = finite[k * 64 : k * 64 + 20].clone()
+        g[k % 20] = special
+        assert run_op(OP_NAMES[k % 3], [g.to(device)], device) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+def test_nan_payloads_and_signed_zero(device, dtype):
+    """float32/float64: inv_scale 1 writes each NaN back with its payload, a signalling one
+    included (no multiply); another inv_scale gives torch's product (a quiet NaN); -0.0 stays
+    -0.0.  Compared bit for bit with torch's kernel on the same device."""
+    if dtype == F32:  # signalling NaN, quiet NaNs with payloads, negative NaN, -0.0, inf
+        patterns = [0x7F800001, 0x7FBFFFFF, 0x7FC00000, -0x3EDCBA0B, 0x7FFFFFFF, -(2**31)]
+    else:
+        patterns = [0x7FF0000000000001, 0x7FF4000000000000, -0x0008000000000000, -(2**63)]
+    raw = torch.tensor(
+        patterns + [0x3F000000 if dtype == F32 else 0x3FE0000000000000], dtype=INT_OF[dtype]
+    )
+    x = raw.view(dtype).repeat(5)  # 30+ elements: vector body and tail
+    for inv in (1.0, 0.5, 3.0):
+        ours = [x.clone().to(device)]
+        theirs = [x.clone().to(device)]
+        f_ours, f_theirs = scalar(0.0, device), scalar(0.0, device)
+        ops.non_finite_check_and_unscale_(ours, f_ours, scalar(inv, device))
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, f_theirs, scalar(inv, device))
+        assert_bits(ours[0], theirs[0], f"{dtype_id(dtype)} inv={inv}", exact_nan=True)
+        assert_found(f_ours, 1.0)
+        if inv == 1.0:
+            assert_bits(ours[0], x.to(device), "written back unchanged", exact_nan=True)
+
+
 # (dtype, storage offset in elements, length): data_ptr not 16-byte aligned
 MISALIGNED = [
     (F16, 3, 1000),
@@ -1111,6 +1169,31 @@ def test_argument_on_another_device_cpu_kernel(op, arg, match):
         torch_op.redispatch(CPU_KEYS, *torch_args)
     assert isinstance(info.value, type(theirs.value)), (type(info.value), repr(theirs.value))
     assert_unchanged({k: v for k, v in a.items() if k != arg}, before)
+
+
+# A build without CUDA kernels still registers the CUDA key, so a CUDA call gets the arguments
+# checked and then says why nothing runs, instead of the dispatcher's "Could not run ...".  No
+# GPU needed: CPU tensors redispatched to the CUDA key reach that kernel.
+@pytest.mark.skipif(_C.with_cuda, reason="this build has CUDA kernels")
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_cuda_key_of_a_cpu_only_build_explains(op):
+    a = valid_args("cpu")
+    before = {k: copy_arg(v) for k, v in a.items()}
+    args = {
+        "unscale": (a["grads"], a["found_inf"], a["inv_scale"]),
+        "check": (a["grads"], a["found_inf"]),
+        "fused": (
+            *(a[k] for k in ("grads", "found_inf", "scale", "growth_tracker", "next_scale")),
+            *(a["next_growth_tracker"], 2.0, 0.5, 1, False, False),
+        ),
+    }[op]
+    cuda_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    with pytest.raises(RuntimeError, match="^ampfused was built without CUDA kernels"):
+        AMPFUSED_OPS[op].redispatch(cuda_keys, *args)
+    assert_unchanged(a, before)
+    bad_found = torch.zeros((), dtype=torch.int32)  # the shared checks still run first
+    with pytest.raises(RuntimeError, match="^found_inf must be a Float tensor"):
+        AMPFUSED_OPS[op].redispatch(cuda_keys, *(args[0], bad_found, *args[2:]))
 
 
 # Gradients that require grad (backward(create_graph=True) leaves them so): torch's op unscales

@@ -17,40 +17,14 @@ namespace ampfused {
 namespace cuda {
 namespace {
 
-template <typename T>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
-};
-
-// Bit tests: exact whatever the compiler flags, and float64 is tested in float64.
-__device__ __forceinline__ bool non_finite(float x) {
-  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
-}
-__device__ __forceinline__ bool non_finite(double x) {
-  return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull) ==
-         0x7ff0000000000000ull;
-}
-
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-template <typename T, bool kCheckOnly>
-__device__ __forceinline__ bool visit(T& x, typename OpMath<T>::type inv, bool inv_is_one) {
-  using M = typename OpMath<T>::type;
-  const M v = static_cast<M>(x);
-  if (!kCheckOnly) x = static_cast<T>(inv_is_one ? v : v * inv);
-  return non_finite(v);
-}
-
 // n <= kChunkSize, so every index of an item fits in int.
 template <typename T, bool kCheckOnly>
-__device__ bool process_chunk(T* p, int n, typename OpMath<T>::type inv, bool inv_is_one) {
+__device__ bool process_chunk(T* p, int n, opmath_t<T> inv, bool inv_is_one) {
   constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
   constexpr int kStride = kBlockSize;  // every launch uses kBlockSize threads
   using V = Vec<T, kVec>;
@@ -92,36 +66,33 @@ __device__ bool process_chunk(T* p, int n, typename OpMath<T>::type inv, bool in
 }
 
 template <int64_t kCapacity>
-using KernelArgs = LaunchArgs<PassArgs, kCapacity>;
+using KernelArgs = LaunchArgs<PassParams, kCapacity>;
 
-template <bool kCheckOnly, int64_t kCapacity>
-__global__ void __launch_bounds__(kBlockSize)
+// Occupancy (ptxas -v, sm_90, 512 threads): the mixed-dtype kernel takes ~106-128 registers, so
+// one block per SM (25%, 32 KB of loads in flight per SM); the kernel for float32-only passes
+// (float32 master gradients, the usual AMP case) fits 64 registers without spilling (48-54), so
+// it asks for two blocks per SM: 50%, twice the bytes in flight, same per-element code.
+constexpr int kFloatOnlyMinBlocks = 2;
+
+template <bool kCheckOnly, bool kFloatOnly, int64_t kCapacity>
+__global__ void __launch_bounds__(kBlockSize, kFloatOnly ? kFloatOnlyMinBlocks : 1)
     unscale_kernel(const __grid_constant__ KernelArgs<kCapacity> k) {
-  const float s = *k.pass.scale;
-  const float inv = k.pass.scale_is_inverse ? s : static_cast<float>(1.0 / static_cast<double>(s));
+  const float inv = k.pass.inv_scale();
   const bool inv_is_one = inv == 1.0f;
   bool bad = false;
   for (int c = static_cast<int>(blockIdx.x); c < k.num_items; c += static_cast<int>(gridDim.x)) {
     const WorkItem w = k.items[c];  // one load from the constant bank, uniform across the block
-    const int n = static_cast<int>(w.numel);
-    switch (static_cast<c10::ScalarType>(w.dtype)) {
-      case c10::ScalarType::Float:
-        bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(w.data), n, inv, inv_is_one);
-        break;
-      case c10::ScalarType::Half:
-        bad |= process_chunk<c10::Half, kCheckOnly>(static_cast<c10::Half*>(w.data), n, inv,
-                                                    inv_is_one);
-        break;
-      case c10::ScalarType::BFloat16:
-        bad |= process_chunk<c10::BFloat16, kCheckOnly>(static_cast<c10::BFloat16*>(w.data), n, inv,
-                                                        inv_is_one);
-        break;
-      case c10::ScalarType::Double:
-        bad |= process_chunk<double, kCheckOnly>(static_cast<double*>(w.data), n,
-                                                 static_cast<double>(inv), inv_is_one);
-        break;
-      default:
-        break;  // rejected on the host
+    if constexpr (kFloatOnly) {
+      bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(w.data),
+                                              static_cast<int>(w.numel), inv, inv_is_one);
+    } else {
+      // Uniform across the block (one item, one tensor): no divergence.  Other dtypes are
+      // rejected on the host.
+      visit_grad_dtype(static_cast<c10::ScalarType>(w.dtype), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        bad |= process_chunk<T, kCheckOnly>(static_cast<T*>(w.data), static_cast<int>(w.numel),
+                                            static_cast<opmath_t<T>>(inv), inv_is_one);
+      });
     }
   }
   bad = __syncthreads_or(bad);
@@ -153,9 +124,15 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
+template <bool kCheckOnly, bool kFloatOnly, int64_t kCapacity>
+void launch(const KernelArgs<kCapacity>& k, int device, cudaStream_t stream) {
+  constexpr auto kernel = unscale_kernel<kCheckOnly, kFloatOnly, kCapacity>;
+  kernel<<<grid_size(k.num_items, resident_blocks<kernel>(device)), kBlockSize, 0, stream>>>(k);
+}
+
 // One launch: the next items of `plan`, as many as the class kCapacity holds.
 template <int64_t kCapacity>
-void launch_items(LaunchPlanner& plan, const PassArgs& pass, bool hand_off, int* workspace,
+void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, int* workspace,
                   int device, cudaStream_t stream) {
   static_assert(sizeof(KernelArgs<kCapacity>) <= kMaxKernelParamBytes,
                 "kernel parameters over the CUDA limit: lower the largest kLaunchCapacities");
@@ -165,12 +142,11 @@ void launch_items(LaunchPlanner& plan, const PassArgs& pass, bool hand_off, int*
   k.num_items = static_cast<int32_t>(plan.fill(k.items, kCapacity));
   k.epilogue =
       !hand_off ? Epilogue::kSetFlag : (plan.done() ? Epilogue::kFinish : Epilogue::kAccumulate);
+  const bool float_only = plan.uniform_dtype() == c10::ScalarType::Float;
   if (pass.check_only) {
-    constexpr auto kernel = unscale_kernel<true, kCapacity>;
-    kernel<<<grid_size(k.num_items, resident_blocks<kernel>(device)), kBlockSize, 0, stream>>>(k);
+    float_only ? launch<true, true>(k, device, stream) : launch<true, false>(k, device, stream);
   } else {
-    constexpr auto kernel = unscale_kernel<false, kCapacity>;
-    kernel<<<grid_size(k.num_items, resident_blocks<kernel>(device)), kBlockSize, 0, stream>>>(k);
+    float_only ? launch<false, true>(k, device, stream) : launch<false, false>(k, device, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -178,28 +154,25 @@ void launch_items(LaunchPlanner& plan, const PassArgs& pass, bool hand_off, int*
 }  // namespace
 }  // namespace cuda
 
-void launch_pass_cuda(const std::vector<Span>& spans, const PassArgs& args,
+void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
                       const at::Tensor& any_device_tensor) {
   const c10::cuda::CUDAGuard guard(any_device_tensor.device());
   const int device = any_device_tensor.get_device();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   // Overwriting found_inf or updating the scale needs the whole pass's result in one place.
-  const bool hand_off = args.overwrite_found_inf || args.with_update;
+  const bool hand_off = args.needs_whole_pass();
   LaunchPlanner plan(spans);
   if (plan.total_items() == 0 && !hand_off) return;  // nothing to visit, nothing to write
   const at::Tensor workspace =
       hand_off ? cuda::pass_workspace(any_device_tensor, stream) : at::Tensor();
   int* ws = hand_off ? workspace.mutable_data_ptr<int>() : nullptr;
   constexpr auto kCap = kLaunchCapacities;
+  static_assert(kCap.size() == 2, "one branch per launch capacity");
   do {
-    const int64_t capacity = plan.next_capacity();
-    if (capacity == kCap[0]) {
+    if (plan.next_capacity() == kCap[0]) {
       cuda::launch_items<kCap[0]>(plan, args, hand_off, ws, device, stream);
-    } else if (capacity == kCap[1]) {
-      cuda::launch_items<kCap[1]>(plan, args, hand_off, ws, device, stream);
     } else {
-      static_assert(kCap.size() == 3, "one branch per launch capacity");
-      cuda::launch_items<kCap[2]>(plan, args, hand_off, ws, device, stream);
+      cuda::launch_items<kCap[1]>(plan, args, hand_off, ws, device, stream);
     }
   } while (!plan.done());
 }

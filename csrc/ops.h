@@ -1,0 +1,62 @@
+// Each ampfused op's schema and typed dispatcher handle, declared once (as ATen's at::_ops
+// does for aten): ampfused.cpp defines the ops from these schemas, the kernels register under
+// these names, and every C++ caller (grad_gather.cpp, the Autograd kernels) calls through these
+// handles.  Contracts: unscale.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <utility>
+
+namespace ampfused {
+namespace ops {
+
+// The typed handle of Op (found once, on first use) and calls through it.
+template <typename Op>
+struct Handle {
+  // auto: Op is still incomplete where Handle<Op> is instantiated as its base.
+  static const auto& handle() {
+    static const auto h = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow(Op::kName, "")
+                              .template typed<typename Op::Signature>();
+    return h;
+  }
+  template <typename... Args>
+  static void call(Args&&... args) {
+    handle().call(std::forward<Args>(args)...);
+  }
+  template <typename... Args>
+  static void redispatch(c10::DispatchKeySet keys, Args&&... args) {
+    handle().redispatch(keys, std::forward<Args>(args)...);
+  }
+};
+
+struct non_finite_check_and_unscale_ : Handle<non_finite_check_and_unscale_> {
+  static constexpr const char* kName = "ampfused::non_finite_check_and_unscale_";
+  static constexpr const char* kSchema =
+      "ampfused::non_finite_check_and_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, "
+      "Tensor inv_scale) -> ()";
+  using Signature = void(at::TensorList, const at::Tensor&, const at::Tensor&);
+};
+
+struct non_finite_check_ : Handle<non_finite_check_> {
+  static constexpr const char* kName = "ampfused::non_finite_check_";
+  static constexpr const char* kSchema =
+      "ampfused::non_finite_check_(Tensor[] grads, Tensor(a!) found_inf) -> ()";
+  using Signature = void(at::TensorList, const at::Tensor&);
+};
+
+struct unscale_update_scale_ : Handle<unscale_update_scale_> {
+  static constexpr const char* kName = "ampfused::unscale_update_scale_";
+  static constexpr const char* kSchema =
+      "ampfused::unscale_update_scale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor scale, "
+      "Tensor growth_tracker, Tensor(c!) next_scale, Tensor(d!) next_growth_tracker, "
+      "float growth_factor, float backoff_factor, int growth_interval, bool check_only, "
+      "bool accumulate) -> ()";
+  using Signature = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
+};
+
+}  // namespace ops
+}  // namespace ampfused

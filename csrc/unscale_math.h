@@ -1,0 +1,263 @@
+// What the unscale pass computes per element, per tensor and per pass, written once and compiled
+// by both g++ (csrc/cpu) and nvcc (csrc/cuda): the backends keep only the iteration (chunks,
+// vectors, threads, blocks, the last-block hand-off).  Contract of the ops: unscale.h.
+//
+// Host and device alike: no at::Tensor here, raw pointers and values only.  The CPU suite runs
+// every function of this file for every dtype and special value, so what the CUDA kernel
+// computes per element is tested without a GPU.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define AMPFUSED_HOST_DEVICE __host__ __device__
+#define AMPFUSED_INLINE __host__ __device__ __forceinline__
+#else
+#define AMPFUSED_HOST_DEVICE
+// Always inlined: the CPU loops are compiled once per ISA (target_clones) and must vectorize.
+#define AMPFUSED_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace ampfused {
+
+// ---------------------------------------------------------------------------------------------
+// Dtypes
+
+// The gradient dtypes the kernels take, the one list both backends and the host checks use.
+// Its spelling for error messages:
+constexpr const char* kGradDtypeNames = "float16, bfloat16, float32 and float64";
+
+template <typename T>
+struct DtypeTag {
+  using type = T;
+};
+
+// Calls f(DtypeTag<T>{}) with the storage type T of `dtype`; returns false (f not called) for a
+// dtype the kernels do not take.
+template <typename F>
+AMPFUSED_INLINE bool visit_grad_dtype(c10::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case c10::ScalarType::Float:
+      f(DtypeTag<float>{});
+      return true;
+    case c10::ScalarType::Half:
+      f(DtypeTag<c10::Half>{});
+      return true;
+    case c10::ScalarType::BFloat16:
+      f(DtypeTag<c10::BFloat16>{});
+      return true;
+    case c10::ScalarType::Double:
+      f(DtypeTag<double>{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+AMPFUSED_INLINE bool is_grad_dtype(c10::ScalarType dtype) {
+  return visit_grad_dtype(dtype, [](auto) {});
+}
+
+// Opmath: float for float16/bfloat16/float32, double for float64 (torch's AMP kernels).
+template <typename T>
+struct OpMathOf {
+  using type = float;
+};
+template <>
+struct OpMathOf<double> {
+  using type = double;
+};
+template <typename T>
+using opmath_t = typename OpMathOf<T>::type;
+
+// ---------------------------------------------------------------------------------------------
+// Bits: exact whatever the compiler flags (fast-math may assume finite values)
+
+AMPFUSED_INLINE uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+AMPFUSED_INLINE float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+AMPFUSED_INLINE uint64_t double_bits(double x) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(x));
+#else
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+// inf/NaN <=> every exponent bit set, in each format.
+constexpr uint16_t kHalfExpMask = 0x7c00u;
+constexpr uint16_t kBFloat16ExpMask = 0x7f80u;
+constexpr uint32_t kFloatExpMask = 0x7f800000u;
+constexpr uint64_t kDoubleExpMask = 0x7ff0000000000000ull;
+
+// 1 if x is inf or NaN, else 0: an integer, so loops OR it without branches.  float64 is tested
+// in float64 (torch's CUDA kernel narrows it to float32 first).
+AMPFUSED_INLINE uint32_t non_finite(float x) {
+  return (float_bits(x) & kFloatExpMask) == kFloatExpMask;
+}
+AMPFUSED_INLINE uint32_t non_finite(double x) {
+  return (double_bits(x) & kDoubleExpMask) == kDoubleExpMask;
+}
+// The same test on the storage bits of the 16-bit formats (the check-only and SIMD paths).
+AMPFUSED_INLINE uint32_t non_finite_half_bits(uint16_t h) {
+  return (h & kHalfExpMask) == kHalfExpMask;
+}
+AMPFUSED_INLINE uint32_t non_finite_bf16_bits(uint16_t h) {
+  return (h & kBFloat16ExpMask) == kBFloat16ExpMask;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Storage <-> opmath
+
+// bfloat16 from float: round to nearest even, any NaN -> 0x7FC0 (c10::BFloat16's host rule).
+// Written on the bits, without branches, so the CPU loop vectorizes; CUDA uses it too, so both
+// backends store the same bits (c10's device conversion would store 0x7FFF for NaN on sm_80+).
+AMPFUSED_INLINE uint16_t float_to_bf16_bits(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > kFloatExpMask ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+AMPFUSED_INLINE float bf16_bits_to_float(uint16_t h) {
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
+
+template <typename T>
+AMPFUSED_INLINE opmath_t<T> to_opmath(T x) {
+  return static_cast<opmath_t<T>>(x);
+}
+template <>
+AMPFUSED_INLINE float to_opmath<c10::BFloat16>(c10::BFloat16 x) {
+  return bf16_bits_to_float(x.x);
+}
+
+// Rounds an opmath value to the storage dtype (IEEE round to nearest even for every format;
+// float16 through c10::Half, which is __float2half on CUDA and the same rounding on the host).
+template <typename T>
+AMPFUSED_INLINE T to_storage(opmath_t<T> v) {
+  return static_cast<T>(v);
+}
+template <>
+AMPFUSED_INLINE c10::BFloat16 to_storage<c10::BFloat16>(float v) {
+  return c10::BFloat16(float_to_bf16_bits(v), c10::BFloat16::from_bits());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per element
+
+// torch's multiply-or-pass rule: with inv_scale == 1 the value is written back unmultiplied (so
+// a float32/float64 NaN keeps its payload, even a signalling one).
+template <typename M>
+AMPFUSED_INLINE M unscaled(M v, M inv, bool inv_is_one) {
+  return inv_is_one ? v : v * inv;
+}
+
+// One gradient element: returns 1 if the *input* is inf/NaN; unless kCheckOnly, x becomes the
+// unscaled value rounded to its dtype.  Backends pass inv_is_one as a constant where they have
+// specialised loops, so the select folds away.
+template <typename T, bool kCheckOnly>
+AMPFUSED_INLINE uint32_t visit(T& x, opmath_t<T> inv, bool inv_is_one) {
+  const opmath_t<T> v = to_opmath(x);
+  if (!kCheckOnly) x = to_storage<T>(unscaled(v, inv, inv_is_one));
+  return non_finite(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per pass
+
+// float32(1 / float64(scale)): torch's `_scale.double().reciprocal().float()`.  The tensor form
+// of the same expression is in ampfused/grad_scaler.py (torch's path) and grad_gather.cpp
+// (inv_scale copied to the devices other than the scale's).
+AMPFUSED_INLINE float inv_scale_of(float scale) {
+  return static_cast<float>(1.0 / static_cast<double>(scale));
+}
+
+// Everything one pass needs, as raw pointers on the pass's device: built by the host wrapper
+// (unscale.cpp), read by the CPU loop and passed by value to the CUDA kernel.
+struct PassParams {
+  // The scale (scale_is_inverse == false) or inv_scale (true).  Null in a check-only pass
+  // without update: nothing is scaled, so nothing reads it.
+  const float* scale = nullptr;
+  bool scale_is_inverse = false;
+  bool check_only = false;  // read-only: no gradient is written
+  float* found_inf = nullptr;
+  bool overwrite_found_inf = false;  // write 0.0 when nothing was found (else leave it)
+  // The fused scale update of unscale_update_scale_ (with_update): reads *scale (the scale
+  // itself) and *growth_tracker, writes *next_scale and *next_growth_tracker.
+  bool with_update = false;
+  bool accumulate = false;
+  const int32_t* growth_tracker = nullptr;
+  float* next_scale = nullptr;
+  int32_t* next_growth_tracker = nullptr;
+  double growth_factor = 0.0;
+  double backoff_factor = 0.0;
+  int64_t growth_interval = 0;
+
+  // What each element is multiplied by; a check-only pass reads no scale (1 is never applied).
+  AMPFUSED_INLINE float inv_scale() const {
+    if (check_only) return 1.0f;
+    return scale_is_inverse ? *scale : inv_scale_of(*scale);
+  }
+  // The end of the pass (the CPU after its loop, the last CUDA block): found_inf, the update.
+  AMPFUSED_INLINE bool needs_whole_pass() const { return overwrite_found_inf || with_update; }
+};
+
+// torch._amp_update_scale_, element for element (aten/src/ATen/native/cuda/AmpKernels.cu).
+AMPFUSED_INLINE void update_scale_rule(float scale, int32_t tracker, bool found,
+                                       double growth_factor, double backoff_factor,
+                                       int64_t growth_interval, float* out_scale,
+                                       int32_t* out_tracker) {
+  if (found) {
+    *out_scale = static_cast<float>(static_cast<double>(scale) * backoff_factor);
+    *out_tracker = 0;
+    return;
+  }
+  const int32_t successful = tracker + 1;
+  if (successful == growth_interval) {
+    const float grown = static_cast<float>(static_cast<double>(scale) * growth_factor);
+    // A grown scale that overflowed float32 is not taken; the tracker still resets.
+    *out_scale = non_finite(grown) ? scale : grown;
+    *out_tracker = 0;
+  } else {
+    *out_scale = scale;
+    *out_tracker = successful;
+  }
+}
+
+// Writes found_inf and, with_update, the pending scale/tracker.  Called once per pass, after
+// every element has been checked.
+AMPFUSED_INLINE void finish_pass(bool found, const PassParams& p) {
+  if (found) {
+    *p.found_inf = 1.0f;
+  } else if (p.overwrite_found_inf) {
+    *p.found_inf = 0.0f;
+  }
+  if (!p.with_update) return;
+  if (!p.accumulate || found) {
+    update_scale_rule(*p.scale, *p.growth_tracker, found, p.growth_factor, p.backoff_factor,
+                      p.growth_interval, p.next_scale, p.next_growth_tracker);
+  }
+}
+
+}  // namespace ampfused

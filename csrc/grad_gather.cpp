@@ -2,11 +2,14 @@
 //
 // torch's _unscale_grads_ loops over every parameter in Python (about 1 us each).  This does the
 // same walk - skip None grads, refuse float16 unless allowed, coalesce float16 sparse grads,
-// take sparse ._values(), group by device - at tens of nanoseconds per parameter, then calls the
-// ops with the gathered lists directly, so no per-parameter Python object is created either.
+// take sparse ._values(), group by device - at tens of nanoseconds per parameter, and hands the
+// gathered lists to the ops without creating any per-parameter Python object.  Only gathers:
+// the ops are called in python_module.cpp.
 // Gradients that are tensor subclasses (DTensor, ...) make it return None: the caller then
 // takes torch's Python path, which dispatches through the subclass.  param_groups and each
 // group's 'params' may be any iterable, as in torch's Python loop; a generator is read once.
+#include "grad_gather.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -16,50 +19,12 @@
 #include <utility>
 #include <vector>
 
-#include "ops.h"
 #include "unscale_math.h"
 
 namespace py = pybind11;
 
 namespace ampfused {
 namespace {
-
-// The gradients of one device.  Dense grads are *borrowed* (no refcount traffic: two atomic
-// operations per tensor are a measurable share of the per-parameter cost); sparse values are
-// new tensors, owned by `owned` and borrowed from there.  The parameters keep the dense grads
-// alive for the duration of the call.
-struct DeviceGrads {
-  using Traits = c10::MaybeOwnedTraits<at::Tensor>;
-  at::Device device;
-  std::vector<at::Tensor> grads;  // borrows only
-  std::vector<at::Tensor> owned;
-
-  explicit DeviceGrads(at::Device d) : device(d) {}
-  DeviceGrads(DeviceGrads&& o) noexcept = default;
-  DeviceGrads(const DeviceGrads&) = delete;
-  DeviceGrads& operator=(const DeviceGrads&) = delete;
-  DeviceGrads& operator=(DeviceGrads&&) = delete;
-  ~DeviceGrads() {
-    if (!borrowed) return;
-    for (at::Tensor& g : grads) Traits::destroyBorrow(g);
-  }
-  // Before the GIL is released: another thread could then drop a parameter's .grad.
-  void own_all() {
-    if (!borrowed) return;
-    for (at::Tensor& g : grads) {
-      at::Tensor ref = g;
-      Traits::destroyBorrow(g);
-      g = std::move(ref);
-    }
-    borrowed = false;
-  }
-  bool borrowed = true;
-  void borrow(const at::Tensor& t) { grads.push_back(Traits::createBorrow(t)); }
-  void own(at::Tensor t) {
-    owned.push_back(std::move(t));
-    borrow(owned.back());
-  }
-};
 
 [[noreturn]] void raise(PyObject* type, const std::string& msg) {
   PyErr_SetString(type, msg.c_str());
@@ -107,6 +72,8 @@ void restore_one_shot(py::handle param_groups, py::handle groups_seq,
     }
   }
 }
+
+}  // namespace
 
 // The gradients of param_groups, grouped by device, plus the Python objects that keep them
 // alive (lists read from iterators).  std::nullopt when some gradient needs torch's Python path
@@ -215,96 +182,30 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
   return out;
 }
 
-using Found = std::vector<std::pair<at::Device, at::Tensor>>;
+namespace {
+constexpr int64_t kLongPassBytes = 1 << 20;
 
-// Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
-// borrowed grads become owned references first.  Short passes and CUDA launches keep it.
-std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups) {
-  constexpr int64_t kLongPassBytes = 1 << 20;
-  int64_t cpu_bytes = 0;
-  for (const auto& g : groups) {
-    if (!g.device.is_cpu()) continue;
-    for (const at::Tensor& t : g.grads)
-      cpu_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+int64_t cpu_bytes(at::TensorList grads) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : grads) {
+    if (t.is_cpu()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
-  if (cpu_bytes < kLongPassBytes) return std::nullopt;
+  return bytes;
+}
+}  // namespace
+
+std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups) {
+  int64_t bytes = 0;
+  for (const auto& g : groups) bytes += cpu_bytes(g.grads);
+  if (bytes < kLongPassBytes) return std::nullopt;
   for (auto& g : groups) g.own_all();
   return std::make_optional<py::gil_scoped_release>();
 }
 
-// GradScaler.unscale_ / _check_inf_per_device: the fused pass on the scale's device (found_inf
-// overwritten, pending scale/tracker computed), the plain op on any other device.
-std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale,
-                                const at::Tensor& growth_tracker, const at::Tensor& next_scale,
-                                const at::Tensor& next_growth_tracker, double growth_factor,
-                                double backoff_factor, int64_t growth_interval, bool check_only,
-                                bool accumulate, bool allow_fp16) {
-  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
-  auto groups = collect(param_groups, allow_fp16, keep_alive);
-  if (!groups) return std::nullopt;
-  const auto no_gil = release_gil_if_long(*groups);
-  const at::NoGradGuard no_grad;
-  Found found;
-  at::Tensor inv_scale;  // for other devices, made on first need
-  for (auto& g : *groups) {
-    if (g.device == scale.device()) {
-      at::Tensor f = at::empty({}, scale.options());
-      ops::unscale_update_scale_::call(g.grads, f, scale, growth_tracker, next_scale,
-                                       next_growth_tracker, growth_factor, backoff_factor,
-                                       growth_interval, check_only, accumulate);
-      found.emplace_back(g.device, f);
-      continue;
-    }
-    at::Tensor f = at::zeros({}, scale.options().device(g.device));
-    if (check_only) {
-      ops::non_finite_check_::call(g.grads, f);
-    } else {
-      if (!inv_scale.defined()) inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
-      ops::non_finite_check_and_unscale_::call(g.grads, f,
-                                               inv_scale.to(g.device, /*non_blocking=*/true));
-    }
-    found.emplace_back(g.device, f);
-  }
-  return found;
+std::optional<py::gil_scoped_release> release_gil_if_long(GradList& grads) {
+  if (cpu_bytes(grads.grads) < kLongPassBytes) return std::nullopt;
+  grads.own_all();
+  return std::make_optional<py::gil_scoped_release>();
 }
 
-// GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): torch's contract
-// (found_inf is OR-ed into; copies of inv_scale/found_inf serve other devices).
-std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& inv_scale,
-                                   const at::Tensor& found_inf, bool allow_fp16) {
-  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
-  auto groups = collect(param_groups, allow_fp16, keep_alive);
-  if (!groups) return std::nullopt;
-  const auto no_gil = release_gil_if_long(*groups);
-  const at::NoGradGuard no_grad;
-  Found found;
-  for (auto& g : *groups) {
-    // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so the
-    // caller's tensor is only an initial value.
-    at::Tensor f = found_inf.to(g.device, /*non_blocking=*/true, /*copy=*/true);
-    at::Tensor inv = g.device == inv_scale.device()
-                         ? inv_scale
-                         : inv_scale.to(g.device, /*non_blocking=*/true, /*copy=*/true);
-    ops::non_finite_check_and_unscale_::call(g.grads, f, inv);
-    found.emplace_back(g.device, f);
-  }
-  return found;
-}
-
-}  // namespace
 }  // namespace ampfused
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ampfused compiled core: ops are registered under torch.ops.ampfused";
-  m.def("fused_pass", &ampfused::fused_pass, py::arg("param_groups"), py::arg("scale"),
-        py::arg("growth_tracker"), py::arg("next_scale"), py::arg("next_growth_tracker"),
-        py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
-        py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"));
-  m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
-        py::arg("found_inf"), py::arg("allow_fp16"));
-#ifdef AMPFUSED_WITH_CUDA
-  m.attr("with_cuda") = true;
-#else
-  m.attr("with_cuda") = false;
-#endif
-}

@@ -159,10 +159,18 @@ void launch_pass_rejected(const std::vector<Span>&, const PassParams&, const at:
 namespace ampfused {
 namespace {
 
-// Autograd-key kernels.  Without them every call takes torch's boxed autograd fallback, which
-// converts the whole gradient list to IValues and back (most of the per-tensor cost for
-// thousands of small gradients).  These stay unboxed: run the backend kernel below autograd, and
-// bump the version counters of what was mutated, which is the ADInplaceOrView kernel's job.
+// Autograd-key kernels: run the backend kernel below autograd, then bump the version counters of
+// what was written (the ADInplaceOrView kernel's job).  They pay for themselves against torch's
+// boxed mechanisms, which convert the gradient list to IValues and back.  Measured on the 2-core
+// dev CPU (torch 2.14.1; a scratch extension with three copies of a (Tensor(a!)[], Tensor(b!))
+// op and a kernel that only walks the list, called from C++ through a typed handle, 16-element
+// grads, minimum of 7 runs):
+//                                                     1 tensor    3000 tensors
+//   these kernels (unboxed, bump per written tensor)    57 ns     6.8 ns/tensor
+//   torch's default fallback (warns, bumps nothing)    154 ns    19.2 ns/tensor
+//   autogradNotImplementedFallback + InplaceOrView     190 ns    30.3 ns/tensor
+// The last is torch's standard way to get the version bumps: ~23 ns more per tensor, which would
+// triple the C++ param_groups walk (~10 ns/tensor).
 //
 // Gradients that require grad (after backward(create_graph=True)) are unscaled in place like any
 // other, as torch's ops do: the ops are not differentiable and record nothing in the graph.
@@ -203,16 +211,15 @@ struct AutogradKernel<Op, void(Args...)> {
       Op::call(args...);
     }
     static const std::vector<bool> written = written_arguments(Op::handle().schema());
+    // unscale_update_scale_ with check_only (argument 9) writes no gradient, though its schema
+    // marks grads (argument 0) as written for the passes that do.
+    bool grads_written = true;
     if constexpr (std::is_same_v<Op, ops::unscale_update_scale_>) {
-      if (std::get<9>(std::tie(args...))) {  // check_only: no gradient was written
-        bump(std::get<1>(std::tie(args...)));
-        bump(std::get<4>(std::tie(args...)));
-        bump(std::get<5>(std::tie(args...)));
-        return;
-      }
+      grads_written = !std::get<9>(std::tie(args...));
     }
+    const auto is_written = [&](size_t k) { return written[k] && (k != 0 || grads_written); };
     size_t i = 0;
-    (bump_if(written[i++], args), ...);
+    (bump_if(is_written(i++), args), ...);
   }
 };
 

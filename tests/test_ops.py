@@ -1171,6 +1171,31 @@ def test_argument_on_another_device_cpu_kernel(op, arg, match):
     assert_unchanged({k: v for k, v in a.items() if k != arg}, before)
 
 
+# Version counters: every tensor an op writes is bumped once per call, as by in-place torch ops;
+# what it only reads (a check-only pass's grads, scale, growth_tracker, inv_scale) is not.
+@pytest.mark.parametrize(
+    "op,check_only", [("unscale", False), ("check", True), ("fused", False), ("fused", True)]
+)
+def test_version_counters_of_written_tensors_are_bumped(device, op, check_only):
+    a = valid_args(device)
+    names = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+    before = {k: a[k]._version for k in names}
+    grads_before = [g._version for g in a["grads"]]
+    if op == "fused":
+        ops.unscale_update_scale_(
+            a["grads"],
+            *(a[k] for k in ("found_inf", "scale", "growth_tracker", "next_scale")),
+            *(a["next_growth_tracker"], 2.0, 0.5, 1, check_only, False),
+        )
+        written = {"found_inf", "next_scale", "next_growth_tracker"}
+    else:
+        call(op, a)
+        written = {"found_inf"}
+    assert {k: a[k]._version - before[k] for k in names} == {k: int(k in written) for k in names}
+    bumps = [g._version - v for g, v in zip(a["grads"], grads_before, strict=True)]
+    assert bumps == [0 if check_only else 1] * len(bumps)
+
+
 # A build without CUDA kernels still registers the CUDA key, so a CUDA call gets the arguments
 # checked and then says why nothing runs, instead of the dispatcher's "Could not run ...".  No
 # GPU needed: CPU tensors redispatched to the CUDA key reach that kernel.
@@ -1404,6 +1429,102 @@ def test_more_than_2_31_elements(device):
         g[n - 4096 : n - 3],
     ):
         assert bool((sample == 0.5).all()), sample[sample != 0.5]
+
+
+# ============================================================================================
+# 6b. ampfused.ops' eager entry points (ampfused._C, csrc/python_module.cpp): plain tensors
+# skip torch.ops' boxing; everything else must still reach torch.ops and what it dispatches to.
+
+
+class _SeenFunctions(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _LoggingTensor(torch.Tensor):
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _op_call(op: str):
+    """(ampfused.ops function, its torch.ops packet, args builder) for op."""
+    return {
+        "unscale": (
+            ops.non_finite_check_and_unscale_,
+            torch.ops.ampfused.non_finite_check_and_unscale_,
+            lambda a: (a["grads"], a["found_inf"], a["inv_scale"]),
+        ),
+        "check": (
+            ops.non_finite_check_,
+            torch.ops.ampfused.non_finite_check_,
+            lambda a: (a["grads"], a["found_inf"]),
+        ),
+        "fused": (
+            ops.unscale_update_scale_,
+            torch.ops.ampfused.unscale_update_scale_,
+            lambda a: (
+                *(a[k] for k in ("grads", "found_inf", "scale", "growth_tracker", "next_scale")),
+                *(a["next_growth_tracker"], 2.0, 0.5, 1, False, False),
+            ),
+        ),
+    }[op]
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_eager_path_honours_torch_function_modes(op):
+    fn, packet, args = _op_call(op)
+    a = valid_args("cpu")
+    with _SeenFunctions() as mode:
+        fn(*args(a))
+    assert [f for f in mode.seen if "ampfused" in str(f)], mode.seen
+    assert a["found_inf"].item() == 0.0
+
+
+@pytest.mark.parametrize("where", ["grads", "found_inf"])
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_eager_path_honours_tensor_subclasses(op, where):
+    fn, packet, args = _op_call(op)
+    a = valid_args("cpu")
+    if where == "grads":
+        a["grads"] = [a["grads"][0], a["grads"][1].as_subclass(_LoggingTensor)]
+    else:
+        a["found_inf"] = a["found_inf"].as_subclass(_LoggingTensor)
+    _LoggingTensor.seen = []
+    fn(*args(a))
+    assert [f for f in _LoggingTensor.seen if "ampfused" in str(f)], _LoggingTensor.seen
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_eager_path_returns_not_implemented_for_what_it_does_not_take(op):
+    """The entry points themselves: None for a plain call, NotImplemented for a list with a None,
+    a tuple-less iterable or a subclass, and a Python int where the schema says float (torch.ops
+    converts it; the wrapper then goes there)."""
+    eager = getattr(_C, _op_call(op)[1]._qualified_op_name.split("::")[1])
+    a = valid_args("cpu")
+    args = _op_call(op)[2]
+    assert eager(*args(a)) is None
+    for grads in (
+        [a["grads"][0], None],
+        iter(a["grads"]),
+        [a["grads"][0].as_subclass(_LoggingTensor)],
+    ):
+        assert eager(*args({**a, "grads": grads})) is NotImplemented
+    assert eager(*args(a)[:-1]) is NotImplemented  # argument count
+    if op == "fused":
+        with_int = list(args(a))
+        with_int[6] = 2  # growth_factor
+        assert eager(*with_int) is NotImplemented
+        ops.unscale_update_scale_(*with_int)  # torch.ops takes it
+        assert a["next_scale"].item() == 4.0
 
 
 # ============================================================================================

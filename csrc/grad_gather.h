@@ -1,0 +1,68 @@
+// GradScaler's per-step walk over optimizer.param_groups, in C++ (grad_gather.cpp): it only
+// gathers; python_module.cpp calls the ops on what it gathered, through their typed handles.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/MaybeOwned.h>
+#include <pybind11/pybind11.h>
+
+#include <optional>
+#include <vector>
+
+namespace ampfused {
+
+// A list of tensors *borrowed* from Python objects that outlive the call (no refcount traffic:
+// copying an at::Tensor that Python owns also takes and later drops a reference on its Python
+// object, a measurable share of the per-tensor cost).  Tensors made here (sparse values) are
+// owned by `owned` and borrowed from there.
+struct GradList {
+  using Traits = c10::MaybeOwnedTraits<at::Tensor>;
+  std::vector<at::Tensor> grads;  // borrows only, until own_all()
+  std::vector<at::Tensor> owned;
+  bool borrowed = true;
+
+  GradList() = default;
+  GradList(GradList&& o) noexcept = default;
+  GradList(const GradList&) = delete;
+  GradList& operator=(const GradList&) = delete;
+  GradList& operator=(GradList&&) = delete;
+  ~GradList() {
+    if (!borrowed) return;
+    for (at::Tensor& g : grads) Traits::destroyBorrow(g);
+  }
+  // Before the GIL is released: another thread could then drop a parameter's .grad.
+  void own_all() {
+    if (!borrowed) return;
+    for (at::Tensor& g : grads) {
+      at::Tensor ref = g;
+      Traits::destroyBorrow(g);
+      g = std::move(ref);
+    }
+    borrowed = false;
+  }
+  void borrow(const at::Tensor& t) { grads.push_back(Traits::createBorrow(t)); }
+  void own(at::Tensor t) {
+    owned.push_back(std::move(t));
+    borrow(owned.back());
+  }
+};
+
+// The gradients of one device.
+struct DeviceGrads : GradList {
+  at::Device device;
+  explicit DeviceGrads(at::Device d) : device(d) {}
+};
+
+// The gradients of param_groups, grouped by device, plus the Python objects that keep them
+// alive (lists read from iterators).  std::nullopt when some gradient needs torch's Python path
+// (a tensor subclass, or a device without ampfused kernels).  Errors as torch's _unscale_grads_
+// raises them (grad_gather.cpp).
+std::optional<std::vector<DeviceGrads>> collect(pybind11::handle param_groups, bool allow_fp16,
+                                                std::vector<pybind11::object>& keep_alive);
+
+// Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
+// borrowed grads become owned references first.  Short passes and CUDA launches keep it.
+std::optional<pybind11::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups);
+std::optional<pybind11::gil_scoped_release> release_gil_if_long(GradList& grads);
+
+}  // namespace ampfused

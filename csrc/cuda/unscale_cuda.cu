@@ -68,9 +68,9 @@ __device__ bool process_chunk(T* p, int n, opmath_t<T> inv, bool inv_is_one) {
 template <int64_t kCapacity>
 using KernelArgs = LaunchArgs<PassParams, kCapacity>;
 
-// Occupancy (ptxas -v, sm_90, 512 threads): the mixed-dtype kernel takes ~106-128 registers, so
+// Occupancy (ptxas -v, 512 threads): the mixed-dtype kernel takes 110-128 registers, so
 // one block per SM (25%, 32 KB of loads in flight per SM); the kernel for float32-only passes
-// (float32 master gradients, the usual AMP case) fits 64 registers without spilling (48-54), so
+// (float32 master gradients, the usual AMP case) fits 64 registers without spilling (48-56), so
 // it asks for two blocks per SM: 50%, twice the bytes in flight, same per-element code.
 constexpr int kFloatOnlyMinBlocks = 2;
 
@@ -80,8 +80,15 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly ? kFloatOnlyMinBlocks :
   const float inv = k.pass.inv_scale();
   const bool inv_is_one = inv == 1.0f;
   bool bad = false;
-  for (int c = static_cast<int>(blockIdx.x); c < k.num_items; c += static_cast<int>(gridDim.x)) {
-    const WorkItem w = k.items[c];  // one load from the constant bank, uniform across the block
+  const int stride = static_cast<int>(gridDim.x);
+  int c = static_cast<int>(blockIdx.x);
+  // Items come from the constant bank, uniform across the block; the next one is loaded before
+  // the current one is processed, so a constant-cache miss overlaps the work instead of
+  // stalling between items (small tensors are one short item each).
+  WorkItem next = c < k.num_items ? k.items[c] : WorkItem{};
+  for (; c < k.num_items; c += stride) {
+    const WorkItem w = next;
+    if (c + stride < k.num_items) next = k.items[c + stride];
     if constexpr (kFloatOnly) {
       bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(w.data),
                                               static_cast<int>(w.numel), inv, inv_is_one);

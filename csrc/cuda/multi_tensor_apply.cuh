@@ -50,15 +50,20 @@ struct LaunchArgs {
 };
 
 // The workspace of a hand-off pass on the current stream of like's device (call under a device
-// guard).  Eager passes share one per stream, kept zeroed by each pass's last block; evicting
-// one is safe because it was allocated on its stream, so the caching allocator only hands its
-// block to later work on that stream.  Under CUDA graph capture every pass gets its own: the
-// zero fill is captured with it, so each replay starts from zeros, and no eager pass or other
-// graph can touch it while a replay runs.  The caller keeps the tensor until its launches are
-// queued.
-inline at::Tensor pass_workspace(const at::Tensor& like, cudaStream_t stream) {
+// guard).  A pass of one launch on an eager stream shares that stream's workspace, kept zeroed
+// by each pass's last block: kernels on one stream run one after the other, whatever thread
+// queued them.  Evicting one is safe because it was allocated on its stream, so the caching
+// allocator only hands its block to later work on that stream.  Every other pass gets its own
+// (a zero fill, then dropped once its launches are queued, on the same terms):
+// - a pass of several launches, because another thread could queue a pass on the same stream
+//   between two of its launches;
+// - a pass under CUDA graph capture: the zero fill is captured with it, so each replay starts
+//   from zeros, and no eager pass or other graph can touch it while a replay runs.
+inline at::Tensor pass_workspace(const at::Tensor& like, cudaStream_t stream, bool one_launch) {
   const auto zeros = [&] { return at::zeros({kWorkspaceInts}, like.options().dtype(at::kInt)); };
-  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) return zeros();
+  if (!one_launch || at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+    return zeros();
+  }
   static std::mutex mu;
   static std::vector<std::tuple<int, cudaStream_t, at::Tensor>> per_stream;
   const int device = like.get_device();

@@ -170,8 +170,9 @@ void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
   const bool hand_off = args.needs_whole_pass();
   LaunchPlanner plan(spans);
   if (plan.total_items() == 0 && !hand_off) return;  // nothing to visit, nothing to write
+  const bool one_launch = plan.total_items() <= kLaunchCapacities.back();
   const at::Tensor workspace =
-      hand_off ? cuda::pass_workspace(any_device_tensor, stream) : at::Tensor();
+      hand_off ? cuda::pass_workspace(any_device_tensor, stream, one_launch) : at::Tensor();
   int* ws = hand_off ? workspace.mutable_data_ptr<int>() : nullptr;
   constexpr auto kCap = kLaunchCapacities;
   static_assert(kCap.size() == 2, "one branch per launch capacity");

@@ -1,137 +1,102 @@
-// Multi-tensor apply for ampfused: one launch over any number of tensors of mixed dtypes.
+// Multi-tensor apply for ampfused: one pass over any number of tensors of mixed dtypes.
 //
-// torch and apex pass per-tensor metadata in kernel arguments (110 tensors / 320 blocks per
-// launch, one dtype per launch).  Here the metadata lives in a device table: one TensorMeta per
-// tensor and one ChunkMeta per kChunkSize-element work item, and a persistent grid walks the
-// chunk list.  The table is built on the host, copied once, and cached by (device, stream, the
-// exact list of (pointer, numel, dtype)): an unchanged gradient set - the common case from one
-// step to the next - costs no copy, and a set reallocated by zero_grad(set_to_none=True)
-// simply misses and rebuilds.  Each cache entry also owns a small workspace that the
-// "last block" reduction leaves zeroed for the next launch.
+// The pass's work items (launch_table.h: at most kChunkSize elements of one tensor each) travel
+// by value in the kernel parameters, up to a few thousand per launch; a persistent grid walks
+// them.  A pass whose result needs the whole grid (found_inf overwritten, fused scale update)
+// ends with a "last block" hand-off through a small zeroed workspace; a pass of several launches
+// ORs the flag of the earlier launches into the workspace and lets the last launch finish.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAMacros.h>
 
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
-#include <list>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
-#include "unscale.h"
+#include "launch_table.h"
 
 namespace ampfused {
 namespace cuda {
 
 constexpr int kBlockSize = 512;
-constexpr int64_t kChunkSize = 65536;  // elements per work item, any dtype
-constexpr int kVecBytes = 16;          // one 16-byte load/store per thread per vector
-constexpr int kUnroll = 4;             // vectors in flight per thread
-constexpr size_t kCacheEntries = 16;
-constexpr int kWorkspaceInts = 2;  // [0] found flag, [1] finished-block counter
+constexpr int kVecBytes = 16;                   // one 16-byte load/store per thread per vector
+constexpr int kUnroll = 4;                      // vectors in flight per thread
+constexpr int kWorkspaceInts = 2;               // [0] found flag, [1] finished-block counter
+constexpr size_t kMaxKernelParamBytes = 32764;  // CUDA 12.1+, compute capability 7.0+
+constexpr size_t kMaxStreamWorkspaces = 64;     // eager workspaces kept, one per stream
 
-struct TensorMeta {
-  void* data;
-  int64_t numel;
-  int32_t dtype;  // c10::ScalarType
-  int32_t reserved;
+// What the grid does with its result once every item of the launch has been visited.
+enum class Epilogue : int32_t {
+  kSetFlag,     // each block that saw a non-finite value stores 1.0 to found_inf
+  kAccumulate,  // ... ORs 1 into workspace[0]: a later launch of the same pass finishes it
+  kFinish,      // the last block to finish runs the pass's epilogue and rezeroes the workspace
 };
 
-struct ChunkMeta {
-  int32_t tensor;  // index into the TensorMeta table
-  int32_t chunk;   // chunk index inside that tensor (element offset chunk * kChunkSize)
+// The kernel parameters: the pass, then its items for this launch.
+template <typename Pass, int64_t kCapacity>
+struct LaunchArgs {
+  Pass pass;
+  int* workspace;  // kWorkspaceInts zeros on entry to a pass, left zero by its kFinish launch
+  int32_t num_items;
+  Epilogue epilogue;
+  WorkItem items[kCapacity];
 };
 
-struct MetaTable {
-  const TensorMeta* tensors = nullptr;
-  const ChunkMeta* chunks = nullptr;
-  int64_t num_chunks = 0;
-  int* workspace = nullptr;  // kWorkspaceInts zeros on entry, left zero on exit
-};
-
-namespace detail {
-
-struct Entry {
-  int device;
-  cudaStream_t stream;
-  std::vector<Span> key;
-  at::Tensor table;      // uint8 on the device: TensorMeta[n] then ChunkMeta[c]
-  at::Tensor workspace;  // int32[kWorkspaceInts]
-  MetaTable view;
-};
-
-inline bool same_spans(const std::vector<Span>& a, const std::vector<Span>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].data != b[i].data || a[i].numel != b[i].numel || a[i].dtype != b[i].dtype) {
-      return false;
-    }
+// The workspace of a hand-off pass on the current stream of like's device (call under a device
+// guard).  A pass of one launch on an eager stream shares that stream's workspace, kept zeroed
+// by each pass's last block: kernels on one stream run one after the other, whatever thread
+// queued them.  Evicting one is safe because it was allocated on its stream, so the caching
+// allocator only hands its block to later work on that stream.  Every other pass gets its own
+// (a zero fill, then dropped once its launches are queued, on the same terms):
+// - a pass of several launches, because another thread could queue a pass on the same stream
+//   between two of its launches;
+// - a pass under CUDA graph capture: the zero fill is captured with it, so each replay starts
+//   from zeros, and no eager pass or other graph can touch it while a replay runs.
+inline at::Tensor pass_workspace(const at::Tensor& like, cudaStream_t stream, bool one_launch) {
+  const auto zeros = [&] { return at::zeros({kWorkspaceInts}, like.options().dtype(at::kInt)); };
+  if (!one_launch || at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+    return zeros();
   }
-  return true;
-}
-
-inline Entry build_entry(const std::vector<Span>& spans, const at::Tensor& like,
-                         cudaStream_t stream) {
-  int64_t num_chunks = 0;
-  for (const Span& s : spans) num_chunks += (s.numel + kChunkSize - 1) / kChunkSize;
-  TORCH_CHECK(spans.size() < (1ull << 31), "ampfused: too many tensors in one call (", spans.size(),
-              "); split the list");
-  const int64_t tensor_bytes = static_cast<int64_t>(spans.size() * sizeof(TensorMeta));
-  const int64_t bytes = tensor_bytes + num_chunks * static_cast<int64_t>(sizeof(ChunkMeta));
-
-  Entry e;
-  e.device = like.get_device();
-  e.stream = stream;
-  e.key = spans;
-  e.workspace = at::zeros({kWorkspaceInts}, like.options().dtype(at::kInt));
-  e.view.workspace = e.workspace.mutable_data_ptr<int>();
-  e.view.num_chunks = num_chunks;
-  if (bytes == 0) return e;
-
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  auto* tm = reinterpret_cast<TensorMeta*>(host.mutable_data_ptr<uint8_t>());
-  auto* cm = reinterpret_cast<ChunkMeta*>(host.mutable_data_ptr<uint8_t>() + tensor_bytes);
-  int64_t c = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    tm[i] = TensorMeta{spans[i].data, spans[i].numel, static_cast<int32_t>(spans[i].dtype), 0};
-    const int64_t n = (spans[i].numel + kChunkSize - 1) / kChunkSize;
-    for (int64_t k = 0; k < n; ++k)
-      cm[c++] = ChunkMeta{static_cast<int32_t>(i), static_cast<int32_t>(k)};
-  }
-  // Pinned source + non_blocking: the caching host allocator keeps `host` alive until the copy
-  // on this stream has run, so it is safe to drop our reference right away.
-  e.table = at::empty({bytes}, like.options().dtype(at::kByte));
-  e.table.copy_(host, /*non_blocking=*/true);
-  const uint8_t* base = e.table.const_data_ptr<uint8_t>();
-  e.view.tensors = reinterpret_cast<const TensorMeta*>(base);
-  e.view.chunks = reinterpret_cast<const ChunkMeta*>(base + tensor_bytes);
-  return e;
-}
-
-}  // namespace detail
-
-// The device table for `spans` on the current stream of like's device.  Call under a device
-// guard for that device.
-inline MetaTable get_meta_table(const std::vector<Span>& spans, const at::Tensor& like) {
   static std::mutex mu;
-  static std::list<detail::Entry> cache;  // most recently used first
+  static std::vector<std::tuple<int, cudaStream_t, at::Tensor>> per_stream;
   const int device = like.get_device();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   std::lock_guard<std::mutex> lock(mu);
-  for (auto it = cache.begin(); it != cache.end(); ++it) {
-    if (it->device == device && it->stream == stream && detail::same_spans(it->key, spans)) {
-      cache.splice(cache.begin(), cache, it);
-      return cache.front().view;
-    }
+  for (const auto& [d, s, t] : per_stream) {
+    if (d == device && s == stream) return t;
   }
-  TORCH_CHECK(at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
-              "ampfused: this gradient set has not been seen outside CUDA graph capture; run the "
-              "step once eagerly (warm-up) before capturing it, so its metadata table exists");
-  cache.push_front(detail::build_entry(spans, like, stream));
-  if (cache.size() > kCacheEntries) cache.pop_back();
-  return cache.front().view;
+  per_stream.emplace_back(device, stream, zeros());
+  if (per_stream.size() > kMaxStreamWorkspaces) per_stream.erase(per_stream.begin());
+  return std::get<2>(per_stream.back());
+}
+
+// Blocks of `kKernel` that fit on `device` at once: a persistent grid of this size never runs in
+// waves.  Computed once per (kernel, device); a racing first call computes the same value.
+template <auto kKernel>
+int64_t resident_blocks(int device) {
+  static std::atomic<int64_t> per_device[C10_COMPILE_TIME_MAX_GPUS] = {};
+  std::atomic<int64_t>& n = per_device[device];
+  int64_t blocks = n.load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kBlockSize, 0));
+    blocks =
+        int64_t{at::cuda::getDeviceProperties(device)->multiProcessorCount} * std::max(1, per_sm);
+    n.store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
+// Grid of a launch over `items` items: at most one resident wave, and at least one block, since
+// the epilogue runs even when there is nothing to visit.
+inline unsigned grid_size(int64_t items, int64_t resident) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(items, resident)));
 }
 
 }  // namespace cuda

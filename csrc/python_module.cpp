@@ -3,6 +3,7 @@
 // (ops.h); the gathering is grad_gather.cpp's.
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -23,6 +24,12 @@ namespace ampfused {
 namespace {
 
 using Found = std::vector<std::pair<at::Device, at::Tensor>>;
+
+// Copies of the scale and found_inf to a gradient device may be asynchronous only when that
+// device is a GPU, where the kernel runs after the copy on the stream.  A CPU kernel reads its
+// inputs at once, so a copy from the GPU to the CPU must have landed (torch's
+// _MultiDeviceReplicator copies non_blocking either way, and can read a pinned buffer early).
+bool async_to(const at::Device& device) { return !device.is_cpu(); }
 
 // GradScaler.unscale_ / _check_inf_per_device: the fused pass on the scale's device (found_inf
 // overwritten, pending scale/tracker computed), the plain op on any other device.
@@ -53,8 +60,8 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
     } else {
       // inv_scale_of (unscale_math.h) as tensor ops, computed once on the scale's device.
       if (!inv_scale.defined()) inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
-      ops::non_finite_check_and_unscale_::call(g.grads, f,
-                                               inv_scale.to(g.device, /*non_blocking=*/true));
+      ops::non_finite_check_and_unscale_::call(
+          g.grads, f, inv_scale.to(g.device, /*non_blocking=*/async_to(g.device)));
     }
     found.emplace_back(g.device, f);
   }
@@ -74,10 +81,11 @@ std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& in
   for (auto& g : *groups) {
     // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so the
     // caller's tensor is only an initial value.
-    at::Tensor f = found_inf.to(g.device, /*non_blocking=*/true, /*copy=*/true);
+    at::Tensor f = found_inf.to(g.device, /*non_blocking=*/async_to(g.device), /*copy=*/true);
     at::Tensor inv = g.device == inv_scale.device()
                          ? inv_scale
-                         : inv_scale.to(g.device, /*non_blocking=*/true, /*copy=*/true);
+                         : inv_scale.to(g.device, /*non_blocking=*/async_to(g.device),
+                                        /*copy=*/true);
     ops::non_finite_check_and_unscale_::call(g.grads, f, inv);
     found.emplace_back(g.device, f);
   }
@@ -180,8 +188,10 @@ template <typename Op, typename... Args>
 struct EagerCall<Op, void(Args...)> {
   static PyObject* call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
+    // With a mode set, Python runs inside the op call and could drop a borrowed tensor.
     if (nargs != static_cast<Py_ssize_t>(sizeof...(Args)) ||
-        at::impl::torch_function_mode_enabled()) {
+        at::impl::torch_function_mode_enabled() ||
+        c10::impl::TorchDispatchModeTLS::any_modes_set()) {
       Py_RETURN_NOTIMPLEMENTED;
     }
     std::tuple<Held<Args>...> held;

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampfused
 from ampfused import _C, ops, reference
@@ -1473,6 +1474,11 @@ class _LoggingTensor(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+class _PassThroughDispatchMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _op_call(op: str):
     """(ampfused.ops function, its torch.ops packet, args builder) for op."""
     return {
@@ -1537,6 +1543,9 @@ def test_eager_path_returns_not_implemented_for_what_it_does_not_take(op):
     ):
         assert eager(*args({**a, "grads": grads})) is NotImplemented
     assert eager(*args(a)[:-1]) is NotImplemented  # argument count
+    # A dispatch mode runs Python inside the op call, which could drop a borrowed tensor.
+    with _PassThroughDispatchMode():
+        assert eager(*args(a)) is NotImplemented
     if op == "fused":
         with_int = list(args(a))
         with_int[6] = 2  # growth_factor

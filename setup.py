@@ -82,6 +82,25 @@ def _pip_cuda_includes() -> list[str]:
     return sorted(set(d for d in found if os.path.isdir(d)))
 
 
+def _check_arch_list(arch_list: str) -> None:
+    # The kernels take up to 32,764 bytes of parameters (csrc/launch_table.h), which CUDA allows
+    # from compute capability 7.0; older archs fail in ptxas with an obscure message.
+    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        name = arch.split("+")[0].strip()
+        if not name:
+            continue
+        try:
+            major = float(name)
+        except ValueError:
+            continue  # names such as "Hopper" are torch's to resolve
+        if major < 7.0:
+            sys.exit(
+                f"ampfused: TORCH_CUDA_ARCH_LIST={arch_list!r} includes {name}; the CUDA kernels "
+                "need compute capability 7.0 or newer (Volta+). Remove the older archs, or "
+                "build the CPU kernels only with AMPFUSED_NO_CUDA=1."
+            )
+
+
 def extensions():
     with_cuda = _want_cuda()
     # Every C++ file of csrc/ and csrc/cpu/ is built; csrc/cuda/ only with the CUDA kernels.
@@ -101,6 +120,7 @@ def extensions():
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         # No GPU to ask: build for the common datacenter parts, 9.0 (Hopper) included, plus PTX.
         os.environ["TORCH_CUDA_ARCH_LIST"] = "7.5;8.0;9.0+PTX"
+    _check_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
     sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]  # never --use_fast_math
     return [

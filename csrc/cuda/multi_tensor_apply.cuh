@@ -22,6 +22,11 @@
 
 #include "launch_table.h"
 
+// Work items travel in the kernel parameters, beyond the 4 KB that CUDA allowed before 12.1.
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+#error "ampfused's CUDA kernels need CUDA 12.1 or newer (kernel parameters up to 32,764 bytes)"
+#endif
+
 namespace ampfused {
 namespace cuda {
 

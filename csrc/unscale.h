@@ -1,7 +1,8 @@
 // The unscale op family: contract, the backend interface and the op kernels' shared body.
 //
 // Three ops, one pass over every gradient of a list (any count, float16/bfloat16/float32/float64
-// mixed, any size, one device per call), each a single kernel launch on CUDA:
+// mixed, any size, one device per call); on CUDA one kernel launch per 2,032 work items of at
+// most 64K elements (launch_table.h), so one launch for most models:
 //
 //   ampfused::non_finite_check_and_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf,
 //                                           Tensor inv_scale) -> ()
@@ -29,7 +30,7 @@
 //       accumulate == true : next = update_rule(scale, growth_tracker, true) if found, else next
 //                            is left as an earlier pass of the same iteration wrote it.
 //     So after any number of passes in one iteration, next equals torch's update over the sum of
-//     their found_inf values.  On CUDA the last block to finish computes it.
+//     their found_inf values.  On CUDA the last block of the pass's last launch computes it.
 //
 // Requirements (checked, with errors that name the argument): grads are float16, bfloat16,
 // float32 or float64 strided tensors on one device, the device of found_inf; scale, inv_scale

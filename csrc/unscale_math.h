@@ -153,7 +153,9 @@ AMPFUSED_INLINE float to_opmath<c10::BFloat16>(c10::BFloat16 x) {
 }
 
 // Rounds an opmath value to the storage dtype (IEEE round to nearest even for every format;
-// float16 through c10::Half, which is __float2half on CUDA and the same rounding on the host).
+// float16 through c10::Half, __float2half on CUDA).  Finite values round identically on both
+// backends; a float16 NaN stays a NaN, but its payload bits are the converter's (CUDA, F16C and
+// c10's software conversion each keep different bits), as with torch's own kernels.
 template <typename T>
 AMPFUSED_INLINE T to_storage(opmath_t<T> v) {
   return static_cast<T>(v);
@@ -203,14 +205,14 @@ AMPFUSED_INLINE uint32_t visit(T& x, opmath_t<T> inv, bool inv_is_one) {
 // Per pass
 
 // float32(1 / float64(scale)): torch's `_scale.double().reciprocal().float()`.  The tensor form
-// of the same expression is in ampfused/grad_scaler.py (torch's path) and grad_gather.cpp
+// of the same expression is in ampfused/grad_scaler.py (torch's path) and python_module.cpp
 // (inv_scale copied to the devices other than the scale's).
 AMPFUSED_INLINE float inv_scale_of(float scale) {
   return static_cast<float>(1.0 / static_cast<double>(scale));
 }
 
-// Everything one pass needs, as raw pointers on the pass's device: built by the host wrapper
-// (unscale.cpp), read by the CPU loop and passed by value to the CUDA kernel.
+// Everything one pass needs, as raw pointers on the pass's device: built by the op kernels
+// (Kernels in unscale.h), read by the CPU loop and passed by value to the CUDA kernel.
 struct PassParams {
   // The scale (scale_is_inverse == false) or inv_scale (true).  Null in a check-only pass
   // without update: nothing is scaled, so nothing reads it.

@@ -351,7 +351,8 @@ def collect_notes(run: Run) -> None:
             "realloc rows: every restore replaces each gradient by a new tensor (zero_grad"
             "(set_to_none=True), then one allocation per parameter, last layer first, as "
             "backward does); the note gives how often the allocator returned a different "
-            "pointer list (ampfused's CUDA metadata table is cached by pointer list)."
+            "pointer list (before ampfused passed its CUDA work list in the kernel parameters, a "
+            "changed list cost it a table rebuild)."
         )
     run.notes += run.ctx.notes
     for r in run.records:

@@ -48,8 +48,8 @@ def configs(
     infs: list[bool] | None,
 ) -> tuple[list[ModelConfig], list[str]]:
     """The configs to run and notes about those left out.  On a GPU every model's fp32 set
-    without inf also runs with gradients reallocated every step (ampfused's CUDA metadata table
-    is cached by gradient pointers); on CPU that case is in the step_cost question."""
+    without inf also runs with gradients reallocated every step, as after
+    zero_grad(set_to_none=True); on CPU that case is in the step_cost question."""
     gpu = ctx.device.type == "cuda"
     if ctx.quick and models is None and dtypes is None and infs is None:
         quick = [ModelConfig(*c) for c in QUICK_CONFIGS]

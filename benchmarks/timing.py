@@ -184,7 +184,7 @@ def device_sample(gs: GradSet, runner: Runner, host_estimate_s: float) -> float:
 
 
 def _warm_up(gs: GradSet, r: Runner, cfg: TimingConfig) -> None:
-    """Untimed steps before a method is timed (caches, allocator, CUDA metadata table)."""
+    """Untimed steps before a method is timed (caches, allocator, CUDA module loading)."""
     for _ in range(max(cfg.warmup, 1)):
         gs.restore()
         r.reset()

@@ -106,8 +106,9 @@ at::Tensor launch_table(at::TensorList tensors) {
 
 // Host cost of one pass's work list, in ns per tensor: the per-tensor part of what
 // launch_pass_cuda does before its launches (plan, fill the parameter block); its fixed costs
-// (workspace lookup, capture query, the launch itself) are not in it.  One caller at a time.  `realloc` moves every pointer on each
-// call, as zero_grad(set_to_none=True) does; the same code runs either way.
+// (workspace lookup, capture query, the launch itself) are not in it.  One caller at a time.
+// `realloc` moves every pointer on each call, as zero_grad(set_to_none=True) does; the same code
+// runs either way.
 double bench_launch_table(at::TensorList tensors, int64_t iters, bool realloc) {
   std::vector<Span> spans = spans_of(tensors);
   static WorkItem params[kLaunchCapacities.back()];  // stands in for the kernel parameters

@@ -47,7 +47,8 @@ AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool c
 // branches): an F16C/AVX2 loop, chosen at run time, with the scalar loop for other CPUs and for
 // the tail.  Same results as visit<c10::Half> (the tail) for every non-NaN value: the same bit
 // test, the same multiply-or-pass rule, and vcvtps2ph with round-to-nearest-even is IEEE
-// conversion, as is c10::Half (a NaN's payload bits may differ: see to_storage).  A check-only pass needs no conversion: process() tests the bits, vectorized.
+// conversion, as is c10::Half (a NaN's payload bits may differ: see to_storage).  A check-only pass
+// needs no conversion: process() tests the bits, vectorized.
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMPFUSED_HAVE_F16C_PATH 1
 __attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_t n, float inv) {

@@ -31,6 +31,21 @@ using Found = std::vector<std::pair<at::Device, at::Tensor>>;
 // _MultiDeviceReplicator copies non_blocking either way, and can read a pinned buffer early).
 bool async_to(const at::Device& device) { return !device.is_cpu(); }
 
+// The gradients of param_groups, gathered per device, each device's list handed to
+// pass(device, grads), which returns that device's found_inf; long CPU passes run without the
+// GIL.  std::nullopt when some gradient needs torch's Python path (grad_gather.h).
+template <typename Pass>
+std::optional<Found> per_device(py::handle param_groups, bool allow_fp16, Pass pass) {
+  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
+  auto groups = collect(param_groups, allow_fp16, keep_alive);
+  if (!groups) return std::nullopt;
+  const auto no_gil = release_gil_if_long(*groups);
+  const at::NoGradGuard no_grad;
+  Found found;
+  for (const DeviceGrads& g : *groups) found.emplace_back(g.device, pass(g.device, g.grads));
+  return found;
+}
+
 // GradScaler.unscale_ / _check_inf_per_device: the fused pass on the scale's device (found_inf
 // overwritten, pending scale/tracker computed), the plain op on any other device.
 std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale,
@@ -38,58 +53,42 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
                                 const at::Tensor& next_growth_tracker, double growth_factor,
                                 double backoff_factor, int64_t growth_interval, bool check_only,
                                 bool accumulate, bool allow_fp16) {
-  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
-  auto groups = collect(param_groups, allow_fp16, keep_alive);
-  if (!groups) return std::nullopt;
-  const auto no_gil = release_gil_if_long(*groups);
-  const at::NoGradGuard no_grad;
-  Found found;
   at::Tensor inv_scale;  // for other devices, made on first need
-  for (auto& g : *groups) {
-    if (g.device == scale.device()) {
+  return per_device(param_groups, allow_fp16, [&](const at::Device& device, at::TensorList grads) {
+    if (device == scale.device()) {
       at::Tensor f = at::empty({}, scale.options());
-      ops::unscale_update_scale_::call(g.grads, f, scale, growth_tracker, next_scale,
+      ops::unscale_update_scale_::call(grads, f, scale, growth_tracker, next_scale,
                                        next_growth_tracker, growth_factor, backoff_factor,
                                        growth_interval, check_only, accumulate);
-      found.emplace_back(g.device, f);
-      continue;
+      return f;
     }
-    at::Tensor f = at::zeros({}, scale.options().device(g.device));
+    at::Tensor f = at::zeros({}, scale.options().device(device));
     if (check_only) {
-      ops::non_finite_check_::call(g.grads, f);
+      ops::non_finite_check_::call(grads, f);
     } else {
       // inv_scale_of (unscale_math.h) as tensor ops, computed once on the scale's device.
       if (!inv_scale.defined()) inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
       ops::non_finite_check_and_unscale_::call(
-          g.grads, f, inv_scale.to(g.device, /*non_blocking=*/async_to(g.device)));
+          grads, f, inv_scale.to(device, /*non_blocking=*/async_to(device)));
     }
-    found.emplace_back(g.device, f);
-  }
-  return found;
+    return f;
+  });
 }
 
 // GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): torch's contract
 // (found_inf is OR-ed into; copies of inv_scale/found_inf serve other devices).
 std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& inv_scale,
                                    const at::Tensor& found_inf, bool allow_fp16) {
-  std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
-  auto groups = collect(param_groups, allow_fp16, keep_alive);
-  if (!groups) return std::nullopt;
-  const auto no_gil = release_gil_if_long(*groups);
-  const at::NoGradGuard no_grad;
-  Found found;
-  for (auto& g : *groups) {
+  return per_device(param_groups, allow_fp16, [&](const at::Device& device, at::TensorList grads) {
     // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so the
     // caller's tensor is only an initial value.
-    at::Tensor f = found_inf.to(g.device, /*non_blocking=*/async_to(g.device), /*copy=*/true);
-    at::Tensor inv = g.device == inv_scale.device()
+    at::Tensor f = found_inf.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
+    at::Tensor inv = device == inv_scale.device()
                          ? inv_scale
-                         : inv_scale.to(g.device, /*non_blocking=*/async_to(g.device),
-                                        /*copy=*/true);
-    ops::non_finite_check_and_unscale_::call(g.grads, f, inv);
-    found.emplace_back(g.device, f);
-  }
-  return found;
+                         : inv_scale.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
+    ops::non_finite_check_and_unscale_::call(grads, f, inv);
+    return f;
+  });
 }
 
 // Test hook: the shared per-element code (unscale_math.h) called the way the CUDA kernel calls

@@ -64,6 +64,11 @@ _READY, _UNSCALED, _STEPPED = OptState.READY, OptState.UNSCALED, OptState.STEPPE
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _REAL_TYPES = (float, int)  # exact types only: bool is an int torch refuses as an interval
 _ABSENT = object()
+# The scaler's int32 state (ScalerState in csrc/unscale_math.h): scale bits, growth tracker,
+# hysteresis left, then the counters.
+_STATE_SIZE = 9
+_HYSTERESIS_LEFT = 2
+_INF = float("inf")
 # What step() does after the optimizer's step returned (see GradScaler._begin_step).
 _FINISH_NOTHING, _FINISH_STAGE, _FINISH_ATTRIBUTES = 0, 1, 2
 
@@ -323,9 +328,11 @@ class GradScaler(torch.amp.GradScaler):
                 _check_update_arg("GradScaler", name, value)
 
     def _init_fused_state(self) -> None:
-        # _state owns _scale (float32 view of element 0) and _growth_tracker (element 1), so one
-        # copy commits both, as long as they are still the views made with it (_state_views).
-        # _next holds the pending update the fused passes compute.
+        # _state (int32, _STATE_SIZE elements: ScalerState in csrc/unscale_math.h) owns _scale
+        # (float32 view of element 0), _growth_tracker (element 1), hysteresis left and the
+        # counters, so one copy commits them all, as long as _scale and _growth_tracker are
+        # still the views made with it (_state_views).  _next holds the pending update the
+        # fused passes compute.
         self._state: torch.Tensor | None = None
         self._state_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next: torch.Tensor | None = None
@@ -343,7 +350,9 @@ class GradScaler(torch.amp.GradScaler):
         # and the next one raises again.
         scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
-        state = torch.stack((scale.view(torch.int32), tracker))
+        rest = torch.zeros(_STATE_SIZE - 2, dtype=torch.int32, device=dev)
+        rest[_HYSTERESIS_LEFT - 2] = 1
+        state = torch.cat((scale.view(torch.int32).reshape(1), tracker.reshape(1), rest))
         self._state = state
         self._scale = state[0].view(torch.float32)
         self._growth_tracker = state[1]
@@ -353,16 +362,29 @@ class GradScaler(torch.amp.GradScaler):
         views = self._state_views
         return views is not None and self._scale is views[0] and self._growth_tracker is views[1]
 
-    def _pending_buffers(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pending_buffer(self, dev: torch.device) -> torch.Tensor:
         nxt = self._next
         if nxt is None or self._next_device != dev:  # (reading nxt.device makes a new object)
             # A separate allocation: writing it must not bump the version counter of _scale,
             # which autograd saved for scaler.scale(loss).backward().
-            nxt = self._next = torch.empty(2, dtype=torch.int32, device=dev)
+            nxt = self._next = torch.empty(_STATE_SIZE, dtype=torch.int32, device=dev)
             self._next_device = dev
             self._next_scale = nxt[0].view(torch.float32)
             self._next_growth_tracker = nxt[1]
-        return self._next_scale, self._next_growth_tracker  # type: ignore[return-value]
+        return nxt
+
+    def _pass_state(self) -> torch.Tensor:
+        """The state the pass reads: _state, or, where _scale/_growth_tracker were replaced from
+        outside, a copy of their values with _state's counters."""
+        if self._owns_state():
+            return self._state  # type: ignore[return-value]
+        return torch.cat(
+            (
+                self._scale.reshape(1).view(torch.int32),  # type: ignore[union-attr]
+                self._growth_tracker.reshape(1),  # type: ignore[union-attr]
+                self._state[2:],  # type: ignore[index]
+            )
+        )
 
     @_not_traced_eager
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -476,18 +498,20 @@ class GradScaler(torch.amp.GradScaler):
             return None
         groups = _read_param_groups(optimizer)
         dev = scale.device
-        next_scale, next_tracker = self._pending_buffers(dev)
+        nxt = self._pending_buffer(dev)
         pending = self._pending
         result = _C.fused_pass(
             groups,
-            scale,
-            tracker,
-            next_scale,
-            next_tracker,
+            self._pass_state(),
+            nxt,
             *factors,
+            -_INF,
+            _INF,
+            1,
             check_only,
             pending is not None and bool(pending.found),
             allow_fp16,
+            False,
         )
         if result is None:
             # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
@@ -504,10 +528,12 @@ class GradScaler(torch.amp.GradScaler):
             pending = self._pending = _Pending(
                 scale, tracker, (self._growth_factor, self._backoff_factor, self._growth_interval)
             )
-        for device, found_inf in result:
+        found = {}
+        for device, found_inf, _stats, _positions in result:
+            found[device] = found_inf
             if device == dev:
                 pending.found[id(found_inf)] = (found_inf, tensor_version(found_inf))
-        return dict(result)
+        return found
 
     @_not_traced_eager
     def _unscale_grads_(
@@ -720,6 +746,7 @@ class GradScaler(torch.amp.GradScaler):
         else:  # _scale/_growth_tracker were replaced from outside: copy into whatever they are
             self._scale.copy_(self._next_scale)  # type: ignore[union-attr]
             self._growth_tracker.copy_(self._next_growth_tracker)  # type: ignore[union-attr]
+            self._state[2:].copy_(self._next[2:])  # type: ignore[index]
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:

@@ -13,7 +13,42 @@ from torch.compiler import is_compiling
 
 from ampfused import _C
 
-__all__ = ["non_finite_check_and_unscale_", "non_finite_check_", "unscale_update_scale_"]
+__all__ = [
+    "non_finite_check_and_unscale_",
+    "non_finite_check_",
+    "unscale_update_scale_",
+    "scaler_pass_",
+    "scaler_update_",
+    "grad_stats_rows",
+    "STATE_SIZE",
+    "STAT_FIELDS",
+    "CHUNK_SIZE",
+]
+
+# The scaler's int32 state (ScalerState in csrc/unscale_math.h): element 0 holds the float32
+# scale's bits, then the growth tracker, hysteresis left and the counters, in this order.
+STATE_FIELDS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_left",
+    "steps",
+    "skipped_steps",
+    "consecutive_skips",
+    "growths",
+    "backoffs",
+    "floor_hits",
+)
+STATE_SIZE = len(STATE_FIELDS)
+# grad_stats columns (StatField): a header row (scale in force, step, found), then one row per
+# CHUNK_SIZE elements of each gradient.
+STAT_FIELDS = ("sum_squares", "abs_max", "pos_inf", "neg_inf", "nan", "zeros")
+CHUNK_SIZE = 65536
+
+
+def grad_stats_rows(grads: list[Tensor]) -> int:
+    """Rows of the ``grad_stats`` table for ``grads``: the header, then ceil(numel / CHUNK_SIZE)
+    per gradient."""
+    return 1 + sum(-(-g.numel() // CHUNK_SIZE) for g in grads)
 
 
 # Each op first tries its eager entry point in ampfused._C (csrc/python_module.cpp), which calls
@@ -120,6 +155,78 @@ def unscale_update_scale_(
         _call(torch.ops.ampfused.unscale_update_scale_, *args)
 
 
+def scaler_pass_(
+    grads: list[Tensor],
+    found_inf: Tensor,
+    state: Tensor,
+    next_state: Tensor,
+    grad_stats: Tensor | None,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float = float("-inf"),
+    max_scale: float = float("inf"),
+    hysteresis: int = 1,
+    check_only: bool = False,
+    accumulate: bool = False,
+) -> None:
+    """ampfused.GradScaler's pass: :func:`unscale_update_scale_` over the scaler's whole state.
+
+    Args:
+        state, next_state: int32 tensors of ``STATE_SIZE`` elements (``STATE_FIELDS``); state is
+            read, next_state receives the update (as next_scale/next_growth_tracker above) with
+            min_scale/max_scale (a backoff or growth beyond them is held there), hysteresis (back
+            off on that many consecutive overflowing iterations; a clean one refills it) and the
+            counters.
+        grad_stats: None, or a float64 ``[grad_stats_rows(grads), len(STAT_FIELDS)]`` tensor
+            receiving the header and per-item statistics (:func:`ampfused.reference.grad_stats`
+            defines each value).
+        The rest: as in :func:`unscale_update_scale_`.
+    """
+    _call(
+        torch.ops.ampfused.scaler_pass_,
+        grads,
+        found_inf,
+        state,
+        next_state,
+        grad_stats,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        min_scale,
+        max_scale,
+        hysteresis,
+        check_only,
+        accumulate,
+    )
+
+
+def scaler_update_(
+    found_inf: Tensor,
+    state: Tensor,
+    next_state: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float = float("-inf"),
+    max_scale: float = float("inf"),
+    hysteresis: int = 1,
+) -> None:
+    """next_state from state by :func:`scaler_pass_`'s rule, with found_inf (nonzero: inf/NaN
+    found) as the verdict: the update when the verdict was computed elsewhere."""
+    torch.ops.ampfused.scaler_update_(
+        found_inf,
+        state,
+        next_state,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        min_scale,
+        max_scale,
+        hysteresis,
+    )
+
+
 # Fake kernels: the ops only mutate their arguments and return nothing, so tracing needs no
 # shape logic.
 @torch.library.register_fake("ampfused::non_finite_check_and_unscale_")
@@ -146,4 +253,14 @@ def _(
     check_only,
     accumulate,
 ):
+    return None
+
+
+@torch.library.register_fake("ampfused::scaler_pass_")
+def _(grads, found_inf, state, next_state, grad_stats, *args):
+    return None
+
+
+@torch.library.register_fake("ampfused::scaler_update_")
+def _(found_inf, state, next_state, *args):
     return None

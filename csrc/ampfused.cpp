@@ -8,4 +8,6 @@ TORCH_LIBRARY(ampfused, m) {
   m.def(ampfused::ops::non_finite_check_and_unscale_::kSchema);
   m.def(ampfused::ops::non_finite_check_::kSchema);
   m.def(ampfused::ops::unscale_update_scale_::kSchema);
+  m.def(ampfused::ops::scaler_pass_::kSchema);
+  m.def(ampfused::ops::scaler_update_::kSchema);
 }

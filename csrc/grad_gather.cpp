@@ -95,6 +95,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
   bool fallback = false;                                // some grad needs torch's path
   // Once fallback is decided or an error found, grads are no longer gathered.
   bool skip_rest = false;
+  int64_t position = -1;  // of the current parameter, over all groups
   for (Py_ssize_t gi = 0; gi < ngroups; ++gi) {
     py::handle group = PySequence_Fast_GET_ITEM(groups_seq, gi);
     py::object params_obj = group["params"];
@@ -105,6 +106,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
     PyObject** items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* obj = items[i];
+      ++position;
       if (!THPVariable_Check(obj)) {
         raise(PyExc_AssertionError, "expected param to be torch.Tensor, got " +
                                         std::string(Py_TYPE(obj)->tp_name) + " at " + where(gi, i));
@@ -172,6 +174,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       } else {
         slot->borrow(grad);
       }
+      slot->positions.push_back(position);
     }
   }
   if (!unsupported.empty()) raise(PyExc_NotImplementedError, unsupported);

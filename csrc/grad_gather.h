@@ -47,9 +47,11 @@ struct GradList {
   }
 };
 
-// The gradients of one device.
+// The gradients of one device, with each one's parameter position: its index in the flat list of
+// every group's 'params' (parameters without a grad counted too).
 struct DeviceGrads : GradList {
   at::Device device;
+  std::vector<int64_t> positions;
   explicit DeviceGrads(at::Device d) : device(d) {}
 };
 

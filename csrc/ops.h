@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <optional>
 #include <utility>
 
 namespace ampfused {
@@ -56,6 +57,31 @@ struct unscale_update_scale_ : Handle<unscale_update_scale_> {
       "bool accumulate) -> ()";
   using Signature = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, double, double, int64_t, bool, bool);
+};
+
+// The scaler's pass: unscale_update_scale_ over the scaler's whole state (ScalerState in
+// unscale_math.h), with its scale policy, and the opt-in per-gradient statistics.
+struct scaler_pass_ : Handle<scaler_pass_> {
+  static constexpr const char* kName = "ampfused::scaler_pass_";
+  static constexpr const char* kSchema =
+      "ampfused::scaler_pass_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor state, "
+      "Tensor(c!) next_state, Tensor(d!)? grad_stats, float growth_factor, float backoff_factor, "
+      "int growth_interval, float min_scale, float max_scale, int hysteresis, bool check_only, "
+      "bool accumulate) -> ()";
+  using Signature = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const std::optional<at::Tensor>&, double, double, int64_t, double, double,
+                         int64_t, bool, bool);
+};
+
+// The scaler's update from a verdict computed elsewhere (found_inf: nonzero = inf/NaN found).
+struct scaler_update_ : Handle<scaler_update_> {
+  static constexpr const char* kName = "ampfused::scaler_update_";
+  static constexpr const char* kSchema =
+      "ampfused::scaler_update_(Tensor found_inf, Tensor state, Tensor(a!) next_state, "
+      "float growth_factor, float backoff_factor, int growth_interval, float min_scale, "
+      "float max_scale, int hysteresis) -> ()";
+  using Signature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                         int64_t, double, double, int64_t);
 };
 
 }  // namespace ops

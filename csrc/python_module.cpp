@@ -16,6 +16,7 @@
 
 #include "grad_gather.h"
 #include "ops.h"
+#include "unscale.h"
 #include "unscale_math.h"
 
 namespace py = pybind11;
@@ -31,47 +32,74 @@ using Found = std::vector<std::pair<at::Device, at::Tensor>>;
 // _MultiDeviceReplicator copies non_blocking either way, and can read a pinned buffer early).
 bool async_to(const at::Device& device) { return !device.is_cpu(); }
 
-// The gradients of param_groups, gathered per device, each device's list handed to
-// pass(device, grads), which returns that device's found_inf; long CPU passes run without the
-// GIL.  std::nullopt when some gradient needs torch's Python path (grad_gather.h).
+// The gradients of param_groups, gathered per device, each device's gathered grads handed to
+// pass(DeviceGrads), which returns that device's result; long CPU passes run without the GIL.
+// std::nullopt when some gradient needs torch's Python path (grad_gather.h).
 template <typename Pass>
-std::optional<Found> per_device(py::handle param_groups, bool allow_fp16, Pass pass) {
+auto per_device(py::handle param_groups, bool allow_fp16, Pass pass)
+    -> std::optional<std::vector<decltype(pass(std::declval<const DeviceGrads&>()))>> {
   std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
   auto groups = collect(param_groups, allow_fp16, keep_alive);
   if (!groups) return std::nullopt;
   const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;
-  Found found;
-  for (const DeviceGrads& g : *groups) found.emplace_back(g.device, pass(g.device, g.grads));
-  return found;
+  std::vector<decltype(pass(std::declval<const DeviceGrads&>()))> out;
+  for (const DeviceGrads& g : *groups) out.push_back(pass(g));
+  return out;
 }
 
-// GradScaler.unscale_ / _check_inf_per_device: the fused pass on the scale's device (found_inf
-// overwritten, pending scale/tracker computed), the plain op on any other device.
-std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale,
-                                const at::Tensor& growth_tracker, const at::Tensor& next_scale,
-                                const at::Tensor& next_growth_tracker, double growth_factor,
-                                double backoff_factor, int64_t growth_interval, bool check_only,
-                                bool accumulate, bool allow_fp16) {
+// One device's result of GradScaler's pass: found_inf, and with statistics the grad_stats table
+// and each row block's parameter position (grad_gather.h).
+using ScalerFound =
+    std::tuple<at::Device, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>;
+
+// GradScaler.unscale_ / _check_inf_per_device: the scaler pass on the state's device (found_inf
+// overwritten, next_state computed).  On another device the plain ops run, or with statistics
+// the scaler pass on a copy of the state (its next_state is dropped: with gradients on several
+// devices GradScaler.update() recomputes the update from every found_inf).
+std::optional<std::vector<ScalerFound>> fused_pass(py::handle param_groups, const at::Tensor& state,
+                                                   const at::Tensor& next_state,
+                                                   double growth_factor, double backoff_factor,
+                                                   int64_t growth_interval, double min_scale,
+                                                   double max_scale, int64_t hysteresis,
+                                                   bool check_only, bool accumulate,
+                                                   bool allow_fp16, bool with_stats) {
   at::Tensor inv_scale;  // for other devices, made on first need
-  return per_device(param_groups, allow_fp16, [&](const at::Device& device, at::TensorList grads) {
-    if (device == scale.device()) {
-      at::Tensor f = at::empty({}, scale.options());
-      ops::unscale_update_scale_::call(grads, f, scale, growth_tracker, next_scale,
-                                       next_growth_tracker, growth_factor, backoff_factor,
-                                       growth_interval, check_only, accumulate);
-      return f;
+  return per_device(param_groups, allow_fp16, [&](const DeviceGrads& g) -> ScalerFound {
+    const at::Device& device = g.device;
+    at::TensorList grads = g.grads;
+    std::optional<at::Tensor> stats, positions;
+    if (with_stats) {
+      stats = at::empty({grad_stats_rows(grads), kStatFields},
+                        state.options().dtype(at::kDouble).device(device));
+      positions = at::tensor(at::ArrayRef<int64_t>(g.positions), at::kLong);
     }
-    at::Tensor f = at::zeros({}, scale.options().device(device));
+    at::Tensor f = at::empty({}, state.options().dtype(at::kFloat).device(device));
+    if (device == state.device() || with_stats) {
+      const bool here = device == state.device();
+      const at::Tensor s = here ? state : state.to(device, /*non_blocking=*/async_to(device));
+      const at::Tensor next = here ? next_state : at::empty_like(s);
+      ops::scaler_pass_::call(grads, f, s, next, stats, growth_factor, backoff_factor,
+                              growth_interval, min_scale, max_scale, hysteresis, check_only,
+                              here && accumulate);
+      return {device, f, stats, positions};
+    }
+    f.zero_();
     if (check_only) {
       ops::non_finite_check_::call(grads, f);
     } else {
-      // inv_scale_of (unscale_math.h) as tensor ops, computed once on the scale's device.
-      if (!inv_scale.defined()) inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
+      // inv_scale_of (unscale_math.h) as tensor ops, computed once on the state's device.
+      if (!inv_scale.defined()) {
+        inv_scale = state.narrow(0, kStateScale, 1)
+                        .view(at::kFloat)
+                        .to(at::kDouble)
+                        .reciprocal()
+                        .to(at::kFloat);
+      }
       ops::non_finite_check_and_unscale_::call(
           grads, f, inv_scale.to(device, /*non_blocking=*/async_to(device)));
     }
-    return f;
+    return {device, f, stats, positions};
   });
 }
 
@@ -79,7 +107,9 @@ std::optional<Found> fused_pass(py::handle param_groups, const at::Tensor& scale
 // (found_inf is OR-ed into; copies of inv_scale/found_inf serve other devices).
 std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& inv_scale,
                                    const at::Tensor& found_inf, bool allow_fp16) {
-  return per_device(param_groups, allow_fp16, [&](const at::Device& device, at::TensorList grads) {
+  return per_device(param_groups, allow_fp16, [&](const DeviceGrads& g) -> Found::value_type {
+    const at::Device& device = g.device;
+    at::TensorList grads = g.grads;
     // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so the
     // caller's tensor is only an initial value.
     at::Tensor f = found_inf.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
@@ -87,7 +117,7 @@ std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& in
                          ? inv_scale
                          : inv_scale.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
     ops::non_finite_check_and_unscale_::call(grads, f, inv);
-    return f;
+    return {device, f};
   });
 }
 
@@ -231,10 +261,11 @@ PyMethodDef eager_calls[] = {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ampfused compiled core: ops are registered under torch.ops.ampfused";
-  m.def("fused_pass", &ampfused::fused_pass, py::arg("param_groups"), py::arg("scale"),
-        py::arg("growth_tracker"), py::arg("next_scale"), py::arg("next_growth_tracker"),
-        py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
-        py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"));
+  m.def("fused_pass", &ampfused::fused_pass, py::arg("param_groups"), py::arg("state"),
+        py::arg("next_state"), py::arg("growth_factor"), py::arg("backoff_factor"),
+        py::arg("growth_interval"), py::arg("min_scale"), py::arg("max_scale"),
+        py::arg("hysteresis"), py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"),
+        py::arg("with_stats"));
   m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
         py::arg("found_inf"), py::arg("allow_fp16"));
   m.def("_visit_elements", &ampfused::visit_elements, py::arg("tensor"), py::arg("inv_scale"),

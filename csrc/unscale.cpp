@@ -14,6 +14,8 @@
 #include <tuple>
 #include <type_traits>
 
+#include "launch_table.h"
+
 namespace ampfused {
 
 // Exception types are torch's for the same input (contract: unscale.h): TORCH_CHECK for
@@ -65,6 +67,66 @@ void check_grads(at::TensorList grads, const at::Device& device) {
   }
 }
 
+void check_scaler_state(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK_TYPE(t.defined(), name, " is undefined (None); pass the scaler's int32 state of ",
+                   int{kScalerStateSize}, " elements");
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, name,
+                              " must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.numel() == kScalerStateSize && t.is_contiguous(),
+              name, " must be a contiguous int32 tensor of ", int{kScalerStateSize},
+              " elements (the scale's float32 bits, the growth tracker, then the counters), got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but found_inf is on ", device,
+              "; keep the scaler's state on the device of the gradients");
+}
+
+int64_t grad_stats_rows(at::TensorList grads) {
+  int64_t rows = 1;
+  for (const at::Tensor& g : grads) rows += (g.numel() + kChunkSize - 1) / kChunkSize;
+  return rows;
+}
+
+void check_grad_stats(const at::Tensor& t, at::TensorList grads, const at::Device& device) {
+  const int64_t rows = grad_stats_rows(grads);
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided,
+                              "grad_stats must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 2 && t.size(0) == rows &&
+                  t.size(1) == kStatFields && t.is_contiguous(),
+              "grad_stats must be a contiguous float64 tensor of shape [", rows, ", ",
+              int{kStatFields}, "] for these grads (a header row, then ceil(numel / ", kChunkSize,
+              ") rows per gradient), got ", t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, "grad_stats is on ", t.device(), " but found_inf is on ",
+              device, "; allocate it on the device of the gradients");
+}
+
+PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
+                         double growth_factor, double backoff_factor, int64_t growth_interval,
+                         double min_scale, double max_scale, int64_t hysteresis) {
+  TORCH_CHECK(hysteresis >= 1 && hysteresis <= INT32_MAX,
+              "hysteresis must be an int >= 1 (the number of consecutive overflowing steps "
+              "that backs the scale off; 1 is torch's rule), got ",
+              hysteresis);
+  TORCH_CHECK(!(min_scale > max_scale), "min_scale (", min_scale, ") must not exceed max_scale (",
+              max_scale, ")");
+  PassParams p;
+  const int32_t* in = state.const_data_ptr<int32_t>();
+  int32_t* out = next_state.mutable_data_ptr<int32_t>();
+  p.scale = reinterpret_cast<const float*>(in + kStateScale);
+  p.growth_tracker = in + kStateGrowthTracker;
+  p.counters = in + kStateHysteresisLeft;
+  p.next_scale = reinterpret_cast<float*>(out + kStateScale);
+  p.next_growth_tracker = out + kStateGrowthTracker;
+  p.next_counters = out + kStateHysteresisLeft;
+  p.with_update = true;
+  p.policy.growth_factor = growth_factor;
+  p.policy.backoff_factor = backoff_factor;
+  p.policy.growth_interval = growth_interval;
+  p.policy.min_scale = static_cast<float>(min_scale);
+  p.policy.max_scale = static_cast<float>(max_scale);
+  p.policy.hysteresis = static_cast<int32_t>(hysteresis);
+  return p;
+}
+
 namespace {
 
 // True when no two elements of t share a memory location.  Sufficient test (the usual sorted
@@ -90,7 +152,7 @@ struct Prepared {
   std::vector<std::function<void()>> write_back;
 };
 
-Prepared prepare(at::TensorList grads, bool check_only) {
+Prepared prepare(at::TensorList grads, bool check_only, bool with_stats) {
   Prepared out;
   out.spans.reserve(grads.size());
   for (const at::Tensor& g : grads) {
@@ -109,7 +171,14 @@ Prepared prepare(at::TensorList grads, bool check_only) {
       continue;
     }
     // Overlapping elements (expanded or as_strided views): unscale each distinct memory location
-    // once, as a dense in-place pass over the underlying storage would.
+    // once, as a dense in-place pass over the underlying storage would.  Statistics are per
+    // element of the gradient, which such a pass does not visit one by one.
+    TORCH_CHECK_NOT_IMPLEMENTED(!with_stats,
+                                "grad_stats: a gradient's elements overlap in memory (an "
+                                "expanded or as_strided view, shape ",
+                                g.sizes(), ", strides ", g.strides(),
+                                "); per-gradient statistics need gradients whose elements have "
+                                "memory of their own: make it .contiguous()");
     int64_t extent = 1;
     for (const auto d : c10::irange(g.dim())) extent += (g.size(d) - 1) * g.stride(d);
     const at::Tensor offsets =
@@ -131,7 +200,7 @@ Prepared prepare(at::TensorList grads, bool check_only) {
 
 void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
               LaunchFn launch) {
-  Prepared prep = prepare(grads, params.check_only);
+  Prepared prep = prepare(grads, params.check_only, params.grad_stats != nullptr);
   launch(prep.spans, params, found_inf);
   for (auto& fn : prep.write_back) fn();
 }
@@ -197,6 +266,8 @@ template <typename T>
 void bump_if(bool written, const T& arg) {
   if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, at::TensorList>) {
     if (written) bump(arg);
+  } else if constexpr (std::is_same_v<T, std::optional<at::Tensor>>) {
+    if (written && arg.has_value() && arg->defined()) bump(*arg);
   }
 }
 
@@ -211,11 +282,13 @@ struct AutogradKernel<Op, void(Args...)> {
       Op::call(args...);
     }
     static const std::vector<bool> written = written_arguments(Op::handle().schema());
-    // unscale_update_scale_ with check_only (argument 9) writes no gradient, though its schema
-    // marks grads (argument 0) as written for the passes that do.
+    // unscale_update_scale_ / scaler_pass_ with check_only (argument 9 / 11) writes no gradient,
+    // though its schema marks grads (argument 0) as written for the passes that do.
     bool grads_written = true;
     if constexpr (std::is_same_v<Op, ops::unscale_update_scale_>) {
       grads_written = !std::get<9>(std::tie(args...));
+    } else if constexpr (std::is_same_v<Op, ops::scaler_pass_>) {
+      grads_written = !std::get<11>(std::tie(args...));
     }
     const auto is_written = [&](size_t k) { return written[k] && (k != 0 || grads_written); };
     size_t i = 0;
@@ -232,6 +305,8 @@ TORCH_LIBRARY_IMPL(ampfused, Autograd, m) {
          &AutogradKernel<ops::non_finite_check_and_unscale_>::call);
   m.impl(ops::non_finite_check_::kName, &AutogradKernel<ops::non_finite_check_>::call);
   m.impl(ops::unscale_update_scale_::kName, &AutogradKernel<ops::unscale_update_scale_>::call);
+  m.impl(ops::scaler_pass_::kName, &AutogradKernel<ops::scaler_pass_>::call);
+  m.impl(ops::scaler_update_::kName, &AutogradKernel<ops::scaler_update_>::call);
 }
 
 // A sparse argument routes the call to a sparse dispatch key; the shared kernels run there so

@@ -32,6 +32,27 @@
 //     So after any number of passes in one iteration, next equals torch's update over the sum of
 //     their found_inf values.  On CUDA the last block of the pass's last launch computes it.
 //
+//   ampfused::scaler_pass_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor state,
+//       Tensor(c!) next_state, Tensor(d!)? grad_stats, float growth_factor,
+//       float backoff_factor, int growth_interval, float min_scale, float max_scale,
+//       int hysteresis, bool check_only, bool accumulate) -> ()
+//     ampfused.GradScaler's pass: unscale_update_scale_ with the scaler's whole state in one
+//     int32 tensor of kScalerStateSize elements (ScalerState in unscale_math.h: the scale's
+//     float32 bits, the growth tracker, hysteresis left and the counters), next_state written
+//     from state as next_scale/next_growth_tracker are above, by update_scale_state: torch's rule
+//     extended by min_scale/max_scale (a backoff or growth beyond them is held there) and
+//     hysteresis (>= 1; back off on that many consecutive overflowing iterations).
+//     grad_stats, when given, is a float64 [grad_stats_rows(grads), kStatFields] contiguous
+//     tensor that receives the pass header and per-item statistics (unscale_math.h, StatField;
+//     what each field means exactly: ampfused/reference.py, grad_stats).  Gradients with
+//     overlapping memory are refused when grad_stats is given.
+//
+//   ampfused::scaler_update_(Tensor found_inf, Tensor state, Tensor(a!) next_state,
+//       float growth_factor, float backoff_factor, int growth_interval, float min_scale,
+//       float max_scale, int hysteresis) -> ()
+//     next_state from state and found_inf (nonzero: inf/NaN was found) by the same rule: the
+//     update when the verdict comes from elsewhere (several devices, a found_inf all-reduced).
+//
 // Requirements (checked, with errors that name the argument): grads are float16, bfloat16,
 // float32 or float64 strided tensors on one device, the device of found_inf; scale, inv_scale
 // and found_inf are 1-element float32 tensors, growth_tracker and next_growth_tracker 1-element
@@ -87,6 +108,16 @@ at::Device check_found_inf(const at::Tensor& found_inf);  // returns the pass's 
 void check_state(const at::Tensor& t, const char* name, c10::ScalarType dtype,
                  const at::Device& device);
 void check_grads(at::TensorList grads, const at::Device& device);
+// The scaler's int32 state (kScalerStateSize elements, contiguous) and its statistics table.
+void check_scaler_state(const at::Tensor& t, const char* name, const at::Device& device);
+void check_grad_stats(const at::Tensor& t, at::TensorList grads, const at::Device& device);
+// Rows of grad_stats for `grads`: the header, then ceil(numel / kChunkSize) per gradient.
+int64_t grad_stats_rows(at::TensorList grads);
+// The scaler ops' PassParams for the update: pointers into state/next_state, the policy
+// (checked: factors, hysteresis >= 1, min_scale <= max_scale).
+PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
+                         double growth_factor, double backoff_factor, int64_t growth_interval,
+                         double min_scale, double max_scale, int64_t hysteresis);
 // Packs the non-dense grads, launches the pass over dense spans, writes the packed ones back.
 void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
               LaunchFn launch);
@@ -138,10 +169,44 @@ struct Kernels {
     p.growth_tracker = growth_tracker.const_data_ptr<int32_t>();
     p.next_scale = next_scale.mutable_data_ptr<float>();
     p.next_growth_tracker = next_growth_tracker.mutable_data_ptr<int32_t>();
-    p.growth_factor = growth_factor;
-    p.backoff_factor = backoff_factor;
-    p.growth_interval = growth_interval;
+    p.policy.growth_factor = growth_factor;
+    p.policy.backoff_factor = backoff_factor;
+    p.policy.growth_interval = growth_interval;
     run_pass(grads, found_inf, p, Launch);
+  }
+
+  static void scaler_pass_(at::TensorList grads, const at::Tensor& found_inf,
+                           const at::Tensor& state, const at::Tensor& next_state,
+                           const std::optional<at::Tensor>& grad_stats, double growth_factor,
+                           double backoff_factor, int64_t growth_interval, double min_scale,
+                           double max_scale, int64_t hysteresis, bool check_only, bool accumulate) {
+    const at::Device device = check_found_inf(found_inf);
+    check_scaler_state(state, "state", device);
+    check_scaler_state(next_state, "next_state", device);
+    check_grads(grads, device);
+    const bool stats = grad_stats.has_value() && grad_stats->defined();
+    if (stats) check_grad_stats(*grad_stats, grads, device);
+    PassParams p = scaler_params(state, next_state, growth_factor, backoff_factor, growth_interval,
+                                 min_scale, max_scale, hysteresis);
+    p.check_only = check_only;
+    p.found_inf = found_inf.mutable_data_ptr<float>();
+    p.overwrite_found_inf = true;
+    p.accumulate = accumulate;
+    if (stats) p.grad_stats = grad_stats->mutable_data_ptr<double>();
+    run_pass(grads, found_inf, p, Launch);
+  }
+
+  static void scaler_update_(const at::Tensor& found_inf, const at::Tensor& state,
+                             const at::Tensor& next_state, double growth_factor,
+                             double backoff_factor, int64_t growth_interval, double min_scale,
+                             double max_scale, int64_t hysteresis) {
+    const at::Device device = check_found_inf(found_inf);
+    check_scaler_state(state, "state", device);
+    check_scaler_state(next_state, "next_state", device);
+    PassParams p = scaler_params(state, next_state, growth_factor, backoff_factor, growth_interval,
+                                 min_scale, max_scale, hysteresis);
+    p.found_in = found_inf.const_data_ptr<float>();
+    run_pass({}, found_inf, p, Launch);
   }
 };
 
@@ -152,6 +217,8 @@ void register_kernels(torch::Library& m) {
          &Kernels<Launch>::non_finite_check_and_unscale_);
   m.impl(ops::non_finite_check_::kName, &Kernels<Launch>::non_finite_check_);
   m.impl(ops::unscale_update_scale_::kName, &Kernels<Launch>::unscale_update_scale_);
+  m.impl(ops::scaler_pass_::kName, &Kernels<Launch>::scaler_pass_);
+  m.impl(ops::scaler_update_::kName, &Kernels<Launch>::scaler_update_);
 }
 
 }  // namespace ampfused

@@ -211,6 +211,54 @@ AMPFUSED_INLINE float inv_scale_of(float scale) {
   return static_cast<float>(1.0 / static_cast<double>(scale));
 }
 
+// The GradScaler state the scaler ops (scaler_pass_, scaler_update_) read and write: one int32
+// tensor, so one copy commits an iteration's update.  The scale is stored as its float32 bits
+// (ampfused.GradScaler's _scale is a float32 view of element 0).
+enum ScalerState : int {
+  kStateScale = 0,         // float32 bits
+  kStateGrowthTracker,     // consecutive clean steps, as torch's _growth_tracker
+  kStateHysteresisLeft,    // overflowing steps still tolerated before a backoff
+  kStateSteps,             // iterations (update() calls) so far
+  kStateSkippedSteps,      // ... that found inf/NaN (the optimizer step was skipped)
+  kStateConsecutiveSkips,  // skipped iterations since the last clean one
+  kStateGrowths,           // iterations that raised the scale
+  kStateBackoffs,          // iterations that lowered the scale
+  kStateFloorHits,         // backoffs held at min_scale
+  kScalerStateSize,
+};
+// Counters are int32 and wrap modulo 2^32 (2^31 steps is years of training).
+AMPFUSED_INLINE int32_t counter_plus(int32_t c, int32_t add) {
+  return static_cast<int32_t>(static_cast<uint32_t>(c) + static_cast<uint32_t>(add));
+}
+
+// How the scale moves.  The defaults of min_scale, max_scale and hysteresis give torch's rule.
+struct ScalePolicy {
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  float min_scale = -__builtin_huge_valf();  // a backoff below it is held at it
+  float max_scale = __builtin_huge_valf();   // a growth above it is held at it
+  int32_t hysteresis = 1;  // back off on the hysteresis-th consecutive overflowing step
+};
+
+// Per-gradient statistics (opt-in: scaler_pass_'s grad_stats), a float64 table of kStatFields
+// columns.  Row 0 is the pass header, then one row per work item of kChunkSize elements
+// (launch_table.h), the items of each gradient in order: ceil(numel / kChunkSize) rows each.
+constexpr int kStatFields = 6;
+enum StatField : int {
+  kStatSumSquares = 0,  // sum of u*u over the item, u the unscaled value, in the lane order
+  kStatAbsMax,          // max |u| over the finite u of the item (0 if none)
+  kStatPosInf,          // input elements that were +inf
+  kStatNegInf,          // input elements that were -inf
+  kStatNaN,             // input elements that were NaN
+  kStatZeros,           // u that are exactly zero (+0 or -0)
+};
+enum StatHeader : int {
+  kHeaderScale = 0,  // the scale in force during the pass
+  kHeaderStep,       // the steps counter before this iteration's update
+  kHeaderFound,      // 1 if this pass found inf/NaN
+};
+
 // Everything one pass needs, as raw pointers on the pass's device: built by the op kernels
 // (Kernels in unscale.h), read by the CPU loop and passed by value to the CUDA kernel.
 struct PassParams {
@@ -218,63 +266,109 @@ struct PassParams {
   // without update: nothing is scaled, so nothing reads it.
   const float* scale = nullptr;
   bool scale_is_inverse = false;
-  bool check_only = false;  // read-only: no gradient is written
-  float* found_inf = nullptr;
+  bool check_only = false;           // read-only: no gradient is written
+  float* found_inf = nullptr;        // null: no flag to write (scaler_update_)
   bool overwrite_found_inf = false;  // write 0.0 when nothing was found (else leave it)
-  // The fused scale update of unscale_update_scale_ (with_update): reads *scale (the scale
-  // itself) and *growth_tracker, writes *next_scale and *next_growth_tracker.
+  const float* found_in = nullptr;   // scaler_update_'s verdict: nonzero counts as found
+  // The fused scale update (with_update): reads *scale (the scale itself), *growth_tracker and,
+  // for the scaler ops, state[kStateHysteresisLeft..] through `counters`; writes the next_*.
   bool with_update = false;
   bool accumulate = false;
   const int32_t* growth_tracker = nullptr;
+  const int32_t* counters = nullptr;  // null: no hysteresis state, no counters (torch's rule)
   float* next_scale = nullptr;
   int32_t* next_growth_tracker = nullptr;
-  double growth_factor = 0.0;
-  double backoff_factor = 0.0;
-  int64_t growth_interval = 0;
+  int32_t* next_counters = nullptr;
+  ScalePolicy policy;
+  double* grad_stats = nullptr;  // the opt-in statistics table above, or null
 
   // What each element is multiplied by; a check-only pass reads no scale (1 is never applied).
   AMPFUSED_INLINE float inv_scale() const {
     if (check_only) return 1.0f;
     return scale_is_inverse ? *scale : inv_scale_of(*scale);
   }
+  // What the statistics see an element multiplied by: the unscaled value, in a check-only pass
+  // too (what a fused optimizer will step with).
+  AMPFUSED_INLINE float stats_inv_scale() const {
+    if (scale == nullptr) return 1.0f;
+    return scale_is_inverse ? *scale : inv_scale_of(*scale);
+  }
   // The end of the pass (the CPU after its loop, the last CUDA block): found_inf, the update.
-  AMPFUSED_INLINE bool needs_whole_pass() const { return overwrite_found_inf || with_update; }
+  AMPFUSED_INLINE bool needs_whole_pass() const {
+    return overwrite_found_inf || with_update || grad_stats != nullptr;
+  }
 };
 
-// torch._amp_update_scale_, element for element (aten/src/ATen/native/cuda/AmpKernels.cu).
-AMPFUSED_INLINE void update_scale_rule(float scale, int32_t tracker, bool found,
-                                       double growth_factor, double backoff_factor,
-                                       int64_t growth_interval, float* out_scale,
-                                       int32_t* out_tracker) {
+// torch._amp_update_scale_ (aten/src/ATen/native/cuda/AmpKernels.cu), element for element under
+// the default policy, extended by min_scale, max_scale, hysteresis (apex's
+// update_scale_hysteresis: each overflowing step uses up one of hysteresis_left and the scale
+// backs off once none is left; any clean step refills it) and the counters.  `counters` and
+// `out_counters` point at state[kStateHysteresisLeft]; null gives torch's rule (hysteresis 1).
+AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int32_t* counters,
+                                        bool found, const ScalePolicy& p, float* out_scale,
+                                        int32_t* out_tracker, int32_t* out_counters) {
+  float next = scale;
+  bool floor_hit = false;
+  int32_t hysteresis_left = counters != nullptr ? counters[0] : 1;
   if (found) {
-    *out_scale = static_cast<float>(static_cast<double>(scale) * backoff_factor);
     *out_tracker = 0;
-    return;
-  }
-  const int32_t successful = tracker + 1;
-  if (successful == growth_interval) {
-    const float grown = static_cast<float>(static_cast<double>(scale) * growth_factor);
-    // A grown scale that overflowed float32 is not taken; the tracker still resets.
-    *out_scale = non_finite(grown) ? scale : grown;
-    *out_tracker = 0;
+    hysteresis_left = hysteresis_left > 1 ? hysteresis_left - 1 : 0;
+    if (hysteresis_left == 0) {
+      next = static_cast<float>(static_cast<double>(scale) * p.backoff_factor);
+      if (next < p.min_scale) {
+        next = p.min_scale;
+        floor_hit = true;
+      }
+    }
   } else {
-    *out_scale = scale;
-    *out_tracker = successful;
+    hysteresis_left = p.hysteresis;
+    const int32_t successful = tracker + 1;
+    if (successful == p.growth_interval) {
+      float grown = static_cast<float>(static_cast<double>(scale) * p.growth_factor);
+      // A grown scale that overflowed float32 is not taken; the tracker still resets.
+      if (non_finite(grown)) grown = scale;
+      if (grown > p.max_scale) grown = scale > p.max_scale ? scale : p.max_scale;
+      next = grown;
+      *out_tracker = 0;
+    } else {
+      *out_tracker = successful;
+    }
   }
+  *out_scale = next;
+  if (out_counters == nullptr) return;
+  const auto in = [&](int field) { return counters[field - kStateHysteresisLeft]; };
+  int32_t* out = out_counters - kStateHysteresisLeft;  // indexed by ScalerState from here
+  out[kStateHysteresisLeft] = hysteresis_left;
+  out[kStateSteps] = counter_plus(in(kStateSteps), 1);
+  out[kStateSkippedSteps] = counter_plus(in(kStateSkippedSteps), found ? 1 : 0);
+  out[kStateConsecutiveSkips] = found ? counter_plus(in(kStateConsecutiveSkips), 1) : 0;
+  out[kStateGrowths] = counter_plus(in(kStateGrowths), next > scale ? 1 : 0);
+  out[kStateBackoffs] = counter_plus(in(kStateBackoffs), next < scale ? 1 : 0);
+  out[kStateFloorHits] = counter_plus(in(kStateFloorHits), floor_hit ? 1 : 0);
 }
 
-// Writes found_inf and, with_update, the pending scale/tracker.  Called once per pass, after
-// every element has been checked.
+// Writes found_inf, the grad_stats header and, with_update, the pending state.  Called once per
+// pass, after every element has been checked.
 AMPFUSED_INLINE void finish_pass(bool found, const PassParams& p) {
-  if (found) {
-    *p.found_inf = 1.0f;
-  } else if (p.overwrite_found_inf) {
-    *p.found_inf = 0.0f;
+  if (p.found_in != nullptr && *p.found_in != 0.0f) found = true;
+  if (p.found_inf != nullptr) {
+    if (found) {
+      *p.found_inf = 1.0f;
+    } else if (p.overwrite_found_inf) {
+      *p.found_inf = 0.0f;
+    }
+  }
+  if (p.grad_stats != nullptr) {
+    double* header = p.grad_stats;
+    for (int i = 0; i < kStatFields; ++i) header[i] = 0.0;
+    header[kHeaderScale] = p.scale != nullptr ? static_cast<double>(*p.scale) : 1.0;
+    if (p.counters != nullptr) header[kHeaderStep] = p.counters[kStateSteps - kStateHysteresisLeft];
+    header[kHeaderFound] = found ? 1.0 : 0.0;
   }
   if (!p.with_update) return;
   if (!p.accumulate || found) {
-    update_scale_rule(*p.scale, *p.growth_tracker, found, p.growth_factor, p.backoff_factor,
-                      p.growth_interval, p.next_scale, p.next_growth_tracker);
+    update_scale_state(*p.scale, *p.growth_tracker, p.counters, found, p.policy, p.next_scale,
+                       p.next_growth_tracker, p.next_counters);
   }
 }
 

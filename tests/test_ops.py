@@ -1621,13 +1621,26 @@ def walk_torch(groups, device: str, allow_fp16: bool = False) -> dict:
 def walk_ours(groups, device: str, allow_fp16: bool = False, fused: bool = False):
     if not fused:
         return _C.unscale_grads(groups, scalar(0.5, device), scalar(0.0, device), allow_fp16)
-    state = [
-        scalar(2.0, device),
-        scalar(0, device, I32),
-        scalar(0.0, device),
-        scalar(0, device, I32),
-    ]
-    return _C.fused_pass(groups, *state, 2.0, 0.5, 2000, False, False, allow_fp16)
+    state = torch.zeros(9, dtype=I32, device=device)
+    state[0] = scalar(2.0, device).view(I32)
+    state[2] = 1
+    inf = float("inf")
+    result = _C.fused_pass(
+        groups,
+        state,
+        torch.empty_like(state),
+        2.0,
+        0.5,
+        2000,
+        -inf,
+        inf,
+        1,
+        False,
+        False,
+        allow_fp16,
+        False,
+    )
+    return None if result is None else [(device, found) for device, found, _, _ in result]
 
 
 def param(device: str, dtype: torch.dtype = F32, value: float = 8.0, layout: str = "strided"):

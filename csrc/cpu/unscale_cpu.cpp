@@ -114,6 +114,7 @@ struct Piece {
 }  // namespace
 
 void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const at::Tensor&) {
+  TORCH_CHECK_NOT_IMPLEMENTED(a.grad_stats == nullptr, "grad_stats: not implemented yet");
   const float inv = a.inv_scale();
   int64_t total_bytes = 0;
   for (const Span& sp : spans)

@@ -167,6 +167,7 @@ void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
   const int device = any_device_tensor.get_device();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   // Overwriting found_inf or updating the scale needs the whole pass's result in one place.
+  TORCH_CHECK_NOT_IMPLEMENTED(args.grad_stats == nullptr, "grad_stats: not implemented yet");
   const bool hand_off = args.needs_whole_pass();
   LaunchPlanner plan(spans);
   if (plan.total_items() == 0 && !hand_off) return;  // nothing to visit, nothing to write

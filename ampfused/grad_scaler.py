@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,8 +55,11 @@ from ampfused._torch_private import (
     supports_amp_scaling,
     tensor_version,
 )
+from ampfused.diagnostics import StepReport, build_report
 
 __all__ = ["GradScaler", "OptState"]
+
+_LOG = logging.getLogger("ampfused")
 
 # Devices with ampfused kernels; others (mps, xpu, ...) use torch's implementation unchanged.
 _KERNEL_DEVICES = ("cpu", "cuda")
@@ -68,6 +72,7 @@ _ABSENT = object()
 # hysteresis left, then the counters.
 _STATE_SIZE = 9
 _HYSTERESIS_LEFT = 2
+_CONSECUTIVE_SKIPS = 5
 _INF = float("inf")
 # What step() does after the optimizer's step returned (see GradScaler._begin_step).
 _FINISH_NOTHING, _FINISH_STAGE, _FINISH_ATTRIBUTES = 0, 1, 2
@@ -296,7 +301,11 @@ class GradScaler(torch.amp.GradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        *,
+        scaling: bool = True,
     ) -> None:
+        if type(scaling) is not bool:
+            raise TypeError(f"GradScaler: scaling must be True or False, got {scaling!r}")
         try:
             super().__init__(
                 device=device,
@@ -326,6 +335,14 @@ class GradScaler(torch.amp.GradScaler):
                 _UPDATE_ARGS, (growth_factor, backoff_factor, growth_interval), strict=True
             ):
                 _check_update_arg("GradScaler", name, value)
+        self._scaling = scaling
+        if not scaling:
+            # The guard: the scale is 1.0 and factors of 1.0 keep it there through torch's rule
+            # and ours alike; passes only check (nothing is written) and steps with inf/NaN are
+            # skipped as ever.
+            self._init_scale = 1.0
+            self._growth_factor = 1.0
+            self._backoff_factor = 1.0
 
     def _init_fused_state(self) -> None:
         # _state (int32, _STATE_SIZE elements: ScalerState in csrc/unscale_math.h) owns _scale
@@ -339,6 +356,11 @@ class GradScaler(torch.amp.GradScaler):
         self._next_scale: torch.Tensor | None = None
         self._next_growth_tracker: torch.Tensor | None = None
         self._pending: _Pending | None = None
+        self._scaling = True
+        # watch(): names, and the statistics tables of this iteration and the last one.
+        self._watch: _Watch | None = None
+        self._stats_now: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        self._stats_last: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
 
     # ----------------------------------------------------------------------------- state
     @_not_traced_eager
@@ -468,6 +490,10 @@ class GradScaler(torch.amp.GradScaler):
             state["_next_scale"] = None
             state["_next_growth_tracker"] = None
             state["_pending"] = None
+        # Names are keyed by the parameters' identities, which do not survive pickling.
+        state["_watch"] = None
+        state["_stats_now"] = []
+        state["_stats_last"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -511,7 +537,7 @@ class GradScaler(torch.amp.GradScaler):
             check_only,
             pending is not None and bool(pending.found),
             allow_fp16,
-            False,
+            self._watch is not None,
         )
         if result is None:
             # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
@@ -521,6 +547,8 @@ class GradScaler(torch.amp.GradScaler):
             else:
                 inv_scale = scale.double().reciprocal().float()
             found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+            if self._watch is not None:
+                self._watch.not_covered()
             return torch.amp.GradScaler._unscale_grads_(
                 self, _ParamGroups(groups), inv_scale, found_inf, allow_fp16
             )
@@ -529,10 +557,12 @@ class GradScaler(torch.amp.GradScaler):
                 scale, tracker, (self._growth_factor, self._backoff_factor, self._growth_interval)
             )
         found = {}
-        for device, found_inf, _stats, _positions in result:
+        for device, found_inf, stats, positions in result:
             found[device] = found_inf
             if device == dev:
                 pending.found[id(found_inf)] = (found_inf, tensor_version(found_inf))
+            if stats is not None:
+                self._stats_now.append((stats, positions, groups))
         return found
 
     @_not_traced_eager
@@ -578,7 +608,9 @@ class GradScaler(torch.amp.GradScaler):
                 "gradients; call unscale_() before step(), or call update() first to start the "
                 "next iteration."
             )
-        found = self._fused_found_inf(optimizer, check_only=False, allow_fp16=False)
+        # Without scaling there is nothing to divide: the pass only checks (float16 included).
+        scaling = self._scaling
+        found = self._fused_found_inf(optimizer, check_only=not scaling, allow_fp16=not scaling)
         if found is None:
             super().unscale_(optimizer)  # torch's path (its own stage checks pass: still READY)
             return
@@ -691,7 +723,7 @@ class GradScaler(torch.amp.GradScaler):
         assert scale is not None
         # A grad_scale the user set on the optimizer multiplies in (or, unscaled, is passed on).
         user_scale = getattr(optimizer, "grad_scale", _ABSENT)
-        if optimizer_state["stage"] is _UNSCALED:
+        if optimizer_state["stage"] is _UNSCALED or not self._scaling:
             grad_scale = None if user_scale is _ABSENT else user_scale
         else:
             grad_scale = scale.clone() if user_scale is _ABSENT else scale * user_scale
@@ -722,6 +754,8 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._check_scale_growth_tracker("update")
+        if self._watch is not None:
+            self._close_iteration()
         pending, self._pending = self._pending, None
         if new_scale is not None:
             self._set_scale(new_scale)
@@ -805,3 +839,174 @@ class GradScaler(torch.amp.GradScaler):
             if seen is None or seen[0] is not f or seen[1] != tensor_version(f):
                 return False
         return True
+
+    # ----------------------------------------------------------------------------- diagnostics
+    @_not_traced_eager
+    def watch(
+        self,
+        parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        *,
+        log_skipped: bool | str = False,
+    ) -> GradScaler:
+        """Opt in to per-parameter statistics, recorded by the pass that unscales.
+
+        From the next pass on, the pass also writes, per gradient, the L2 norm of the unscaled
+        values, the largest finite magnitude and the counts of +inf, -inf, NaN and zeros, on
+        the device and without a sync.  :meth:`report` and :meth:`grad_norms` read them (one
+        device-to-host copy) and name each parameter.
+
+        Args:
+            parameters: a module (its ``named_parameters()``) or ``(name, parameter)`` pairs,
+                named once; parameters of the optimizer not given here are reported as
+                ``"<param N>"``.
+            log_skipped: also report every skipped step: ``"log"`` (``logging`` warning on the
+                ``"ampfused"`` logger), ``"warn"`` (``warnings.warn``) or False.  Either costs a
+                sync in every :meth:`update` (to learn whether the step was skipped).
+
+        Returns:
+            self, so ``scaler = GradScaler("cuda").watch(model)`` works.
+        """
+        if log_skipped not in (False, "log", "warn"):
+            raise ValueError(
+                f"watch: log_skipped must be False, 'log' or 'warn', got {log_skipped!r}"
+            )
+        named = (
+            parameters.named_parameters() if isinstance(parameters, torch.nn.Module) else parameters
+        )
+        names: dict[int, str] = {}
+        order: dict[int, int] = {}
+        keep = []
+        for i, item in enumerate(named):
+            try:
+                name, param = item
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    "watch: parameters must be a torch.nn.Module or (name, parameter) pairs such "
+                    f"as model.named_parameters(); item {i} is {type(item).__name__}"
+                ) from e
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(
+                    f"watch: the parameter named {name!r} is a {type(param).__name__}, not a tensor"
+                )
+            names.setdefault(id(param), str(name))
+            order.setdefault(id(param), i)
+            keep.append(param)
+        self._watch = _Watch(names, order, keep, log_skipped)
+        return self
+
+    @_not_traced_eager
+    def unwatch(self) -> None:
+        """Stop recording statistics: the pass goes back to doing only what torch's does."""
+        self._watch = None
+        self._stats_now, self._stats_last = [], []
+
+    @_not_traced_eager
+    def report(self) -> StepReport | None:
+        """The statistics of the current iteration's passes (between :meth:`unscale_` and
+        :meth:`update`) or else of the last completed iteration, by parameter name; None before
+        any pass under :meth:`watch`.  Syncs: one device-to-host copy per device.
+
+        ``print(report)`` lists the gradients that held inf/NaN, first offender first;
+        ``report.grads`` holds every parameter's :class:`ampfused.diagnostics.GradStats`.
+        """
+        passes = self._stats_now or self._stats_last
+        if self._watch is None or not passes:
+            return None
+        return build_report(
+            [(t, pn, _flat_params(groups)) for t, pn, groups in passes],
+            self._watch.names,
+            self._watch.order,
+        )
+
+    @_not_traced_eager
+    def grad_norms(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
+        """Per-parameter L2 norms of the unscaled gradients and their total, keyed as
+        Lightning's ``grad_norm`` keys them (``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``),
+        as Python floats from one device-to-host copy: ready for ``self.log_dict``, W&B or
+        TensorBoard.  Needs :meth:`watch`; empty before the first pass.  Syncs."""
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"grad_norms: the fused pass computes L2 norms only (norm_type=2.0), got "
+                f"norm_type={norm_type!r}; for other norms use torch.linalg.vector_norm on the "
+                "gradients after scaler.unscale_(optimizer)"
+            )
+        if self._watch is None:
+            raise RuntimeError(
+                "grad_norms() needs per-parameter statistics: call scaler.watch(model) once "
+                "before training"
+            )
+        report = self.report()
+        return {} if report is None else report.grad_norms(group_separator)
+
+    @_not_traced_eager
+    def step_skipped_tensor(self) -> torch.Tensor:
+        """Whether the last iteration's optimizer step was skipped (inf/NaN found), as a 0-dim
+        bool tensor on the scale's device, without a sync: valid from :meth:`step` on (before
+        :meth:`update` it is computed from this iteration's found_inf; after, from the
+        consecutive-skips counter)."""
+        if not self._enabled or self._scale is None:
+            return torch.zeros((), dtype=torch.bool)
+        flags = [
+            f
+            for state in self._per_optimizer_states.values()
+            for f in state["found_inf_per_device"].values()
+        ]
+        dev = self._scale.device
+        if flags:
+            return sum(f.to(dev, non_blocking=True) for f in flags) > 0  # type: ignore[operator]
+        assert self._state is not None
+        return self._state[_CONSECUTIVE_SKIPS] > 0
+
+    @_not_traced_eager
+    def step_skipped(self) -> bool:
+        """:meth:`step_skipped_tensor` as a Python bool: one sync.  The pattern it serves::
+
+        scaler.step(optimizer)
+        scaler.update()
+        if not scaler.step_skipped():
+            scheduler.step()
+        """
+        return bool(self.step_skipped_tensor())
+
+    def _close_iteration(self) -> None:
+        """At update(): this iteration's tables become the last iteration's; a skipped step is
+        reported when watch(log_skipped=...) asked for it."""
+        watch = self._watch
+        assert watch is not None
+        self._stats_last, self._stats_now = self._stats_now, []
+        if not watch.log_skipped or not self._stats_last:
+            return
+        report = self.report()
+        if report is not None and report.skipped:
+            if watch.log_skipped == "warn":
+                warnings.warn(str(report), RuntimeWarning, stacklevel=3)
+            else:
+                _LOG.warning("%s", report)
+
+
+def _flat_params(groups: Any) -> list:
+    return [p for g in groups for p in g["params"]]
+
+
+class _Watch:
+    """What watch() was given: names and ranks by parameter identity (the parameters are kept,
+    so an identity is never reused while watched)."""
+
+    __slots__ = ("names", "order", "params", "log_skipped", "warned")
+
+    def __init__(self, names: dict, order: dict, params: list, log_skipped: bool | str) -> None:
+        self.names, self.order, self.params = names, order, params
+        self.log_skipped = log_skipped
+        self.warned = False
+
+    def not_covered(self) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                "ampfused GradScaler.watch: some gradients went through torch's own unscale "
+                "path (tensor subclasses such as DTensor, a device without ampfused kernels, or "
+                "a subclass overriding _unscale_grads_), which records no statistics: report() "
+                "and grad_norms() do not cover that optimizer's gradients",
+                RuntimeWarning,
+                stacklevel=4,
+            )

@@ -49,7 +49,7 @@ auto per_device(py::handle param_groups, bool allow_fp16, Pass pass)
 }
 
 // One device's result of GradScaler's pass: found_inf, and with statistics the grad_stats table
-// and each row block's parameter position (grad_gather.h).
+// and an int64 [grads, 2] tensor of each gradient's parameter position (grad_gather.h) and numel.
 using ScalerFound =
     std::tuple<at::Device, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>;
 
@@ -72,7 +72,14 @@ std::optional<std::vector<ScalerFound>> fused_pass(py::handle param_groups, cons
     if (with_stats) {
       stats = at::empty({grad_stats_rows(grads), kStatFields},
                         state.options().dtype(at::kDouble).device(device));
-      positions = at::tensor(at::ArrayRef<int64_t>(g.positions), at::kLong);
+      // [position, numel] per gradient: what the statistics rows are reduced by.
+      std::vector<int64_t> pn;
+      pn.reserve(2 * grads.size());
+      for (size_t i = 0; i < grads.size(); ++i) {
+        pn.push_back(g.positions[i]);
+        pn.push_back(grads[i].numel());
+      }
+      positions = at::tensor(pn, at::kLong).view({-1, 2});
     }
     at::Tensor f = at::empty({}, state.options().dtype(at::kFloat).device(device));
     if (device == state.device() || with_stats) {

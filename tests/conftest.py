@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -196,3 +196,21 @@ def _tag(t: torch.Tensor, place: str | None) -> None:
 
 def _describe(t: torch.Tensor) -> str:
     return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}"
+
+
+def _raiser(name: str) -> Callable[..., Any]:
+    def sync(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"{name} called on a route that must not sync with the host")
+
+    return sync
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every Python-level way to read a tensor's value on the host raises while the test runs."""
+    for name in ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, _raiser(f"Tensor.{name}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", _raiser("torch.cuda.synchronize"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", _raiser("Stream.synchronize"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", _raiser("Event.synchronize"))
+    yield

@@ -9,7 +9,6 @@ included.  Without a GPU, the CPU test checks the same route for every Python-le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -22,24 +21,7 @@ SCALER_KW: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
 
 
 # ------------------------------------------------------------------------------- CPU: no syncs
-def _raiser(name: str) -> Callable[..., Any]:
-    def sync(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError(f"{name} called on the fused-optimizer route: it syncs with the host")
-
-    return sync
-
-
-@pytest.fixture
-def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every Python-level way to read a tensor's value on the host raises while the test runs."""
-    for name in ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"):
-        monkeypatch.setattr(torch.Tensor, name, _raiser(f"Tensor.{name}"))
-    monkeypatch.setattr(torch.cuda, "synchronize", _raiser("torch.cuda.synchronize"))
-    monkeypatch.setattr(torch.cuda.Stream, "synchronize", _raiser("Stream.synchronize"))
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", _raiser("Event.synchronize"))
-    yield
-
-
+# (the no_host_sync fixture: conftest.py)
 def _cpu_setup(opt_kw: dict[str, Any], iters: int = 4) -> tuple[nn.Module, Any, Any, list]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))

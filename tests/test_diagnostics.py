@@ -1,0 +1,280 @@
+"""``GradScaler.watch``: per-parameter statistics recorded by the pass that unscales, named.
+
+Inf, -inf and NaN are injected into chosen gradients (first, middle, last, several at once;
+float16, bfloat16 and float32 gradients; two optimizers on one scaler) and the report must name
+exactly those, in parameter order, with their counts, the scale in force and the step.  Norms
+are checked against ``torch.linalg.vector_norm`` of the unscaled gradients and keyed as
+Lightning's ``grad_norm`` keys them; zero counts, skipped-step logging and the flag of the last
+step are checked on runs where the answer is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ampfused
+from ampfused.diagnostics import StepReport
+
+INIT_SCALE = 2.0**12
+
+
+class Net(nn.Module):
+    """Six parameters in a known order, one of them with no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.frozen = nn.Parameter(torch.ones(3))  # never used: its .grad stays None
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
+def _setup(device: str, dtype: torch.dtype = torch.float32, fused: bool = False) -> tuple:
+    torch.manual_seed(0)
+    model = Net().to(device=device, dtype=dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused or None)
+    scaler = ampfused.GradScaler(device, init_scale=INIT_SCALE).watch(model)
+    return model, opt, scaler
+
+
+def _backward(model: nn.Module, scaler: Any, device: str, dtype: torch.dtype) -> None:
+    x = torch.randn(5, 6, device=device, dtype=dtype)
+    scaler.scale(model(x).float().square().mean()).backward()
+
+
+def _names_with_grads(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.grad is not None]
+
+
+SPECIALS = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"embed.weight": ["inf"]},  # first
+        {"block.2.bias": ["nan"]},  # middle
+        {"head.bias": ["-inf"]},  # last
+        {"embed.bias": ["inf", "nan"], "block.0.weight": ["-inf", "-inf"], "head.weight": ["nan"]},
+    ],
+    ids=["first", "middle", "last", "several"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_report_names_exactly_the_offenders(device: str, dtype: torch.dtype, where: dict) -> None:
+    model, opt, scaler = _setup(device, dtype)
+    _backward(model, scaler, device, dtype)
+    params = dict(model.named_parameters())
+    for name, kinds in where.items():
+        flat = params[name].grad.view(-1)
+        for i, kind in enumerate(kinds):
+            flat[2 * i] = SPECIALS[kind]
+    if dtype == torch.float16:  # unscale_ refuses float16 gradients, as torch's does
+        scaler._check_inf_per_device(opt)  # the read-only pass, as a fused optimizer gets
+    else:
+        scaler.unscale_(opt)
+    report = scaler.report()
+    assert isinstance(report, StepReport)
+    assert report.skipped and report.step == 0 and report.scale == INIT_SCALE
+    order = _names_with_grads(model)
+    assert [g.name for g in report.grads] == order  # parameter order, "frozen" has no grad
+    assert [g.name for g in report.offenders] == [n for n in order if n in where]
+    for g in report.offenders:
+        kinds = where[g.name]
+        assert (g.pos_inf, g.neg_inf, g.nan) == (
+            kinds.count("inf"),
+            kinds.count("-inf"),
+            kinds.count("nan"),
+        )
+        assert g.numel == params[g.name].numel()
+        assert math.isfinite(g.abs_max)
+    assert all(g.non_finite == 0 for g in report.grads if g.name not in where)
+    text = str(report)
+    assert "step skipped" in text and all(name in text for name in where)
+    assert text.index(report.offenders[0].name) <= text.index(report.offenders[-1].name)
+
+
+def test_two_optimizers_one_report(device: str) -> None:
+    model, _, scaler = _setup(device)
+    opt_a = torch.optim.SGD(model.embed.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD([*model.block.parameters(), *model.head.parameters()], lr=0.1)
+    _backward(model, scaler, device, torch.float32)
+    model.head.weight.grad[0, 0] = float("nan")
+    scaler.unscale_(opt_a)
+    scaler.unscale_(opt_b)
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    scaler.update()
+    report = scaler.report()
+    assert report is not None and report.skipped
+    assert [g.name for g in report.grads] == _names_with_grads(model)
+    assert [g.name for g in report.offenders] == ["head.weight"]
+    assert scaler.step_skipped()
+
+
+def test_norms_match_vector_norm_and_lightning_keys(device: str) -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.utilities import grad_norm
+
+    model, opt, scaler = _setup(device)
+    _backward(model, scaler, device, torch.float32)
+    scaler.unscale_(opt)
+    ours = scaler.grad_norms()
+    theirs = grad_norm(model, norm_type=2)  # the unscaled gradients, after unscale_
+    assert list(ours) == list(theirs)
+    # Each norm sums n float32 squares: the relative error of a float32 sum of n positive
+    # terms is below n * 2^-24 in any order, so two orders differ by at most twice that (and the
+    # square root halves a relative error).
+    for key, value in theirs.items():
+        n = max(p.numel() for p in model.parameters())
+        assert ours[key] == pytest.approx(float(value), rel=2 * n * 2.0**-24, abs=0)
+    total = torch.linalg.vector_norm(
+        torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]
+        )
+    )
+    assert ours["grad_2.0_norm_total"] == pytest.approx(float(total), rel=1e-6)
+
+
+def test_fused_optimizer_route_reports_unscaled_norms(device: str) -> None:
+    """The fused optimizer gets a read-only pass; its statistics are of the unscaled values all
+    the same, equal to those of the writing pass (float32: both compute v * inv_scale)."""
+    norms = []
+    for fused in (False, True):
+        model, opt, scaler = _setup(device, fused=fused)
+        _backward(model, scaler, device, torch.float32)
+        if not fused:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        norms.append(scaler.grad_norms())
+        scaler.update()
+    assert norms[0] == norms[1]
+
+
+def test_zero_counts_show_underflow() -> None:
+    model, opt, scaler = _setup("cpu")
+    _backward(model, scaler, "cpu", torch.float32)
+    model.embed.weight.grad[:3].zero_()
+    model.head.bias.grad.fill_(-0.0)
+    scaler.unscale_(opt)
+    report = scaler.report()
+    assert report is not None
+    zeros = {g.name: g.zeros for g in report.grads}
+    assert zeros["embed.weight"] == 3 * 6
+    assert zeros["head.bias"] == 2
+    assert zeros["block.0.weight"] == int((model.block[0].weight.grad == 0).sum())
+
+
+def test_report_follows_the_iterations() -> None:
+    model, opt, scaler = _setup("cpu")
+    for step in range(3):
+        opt.zero_grad()
+        _backward(model, scaler, "cpu", torch.float32)
+        if step == 1:
+            model.block[0].bias.grad[0] = float("inf")
+        scaler.step(opt)
+        during = scaler.report()  # between step() and update(): this iteration's
+        assert during is not None and during.step == step and during.skipped == (step == 1)
+        assert bool(scaler.step_skipped_tensor()) == (step == 1)
+        scaler.update()
+        after = scaler.report()  # after update(): still the iteration just finished
+        assert after is not None and after.step == step
+        assert scaler.step_skipped() == (step == 1)
+    assert after.scale == INIT_SCALE / 2  # the iteration after the skip ran at the backed-off scale
+
+
+@pytest.mark.parametrize("mode", ["log", "warn"])
+def test_skipped_steps_are_logged_when_asked(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt, scaler = _setup("cpu")
+    scaler.watch(model, log_skipped=mode)
+    caplog.set_level(logging.WARNING, logger="ampfused")
+    for step in range(2):
+        opt.zero_grad()
+        _backward(model, scaler, "cpu", torch.float32)
+        if step == 1:
+            model.head.weight.grad[0, 0] = float("nan")
+        scaler.step(opt)
+        if mode == "warn" and step == 1:
+            with pytest.warns(RuntimeWarning, match="head.weight"):
+                scaler.update()
+        else:
+            scaler.update()
+    if mode == "log":
+        assert len(caplog.records) == 1 and "head.weight" in caplog.records[0].getMessage()
+    else:
+        assert not caplog.records
+
+
+def test_without_watch_nothing_is_recorded() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampfused.GradScaler("cpu")
+    _backward(model, scaler, "cpu", torch.float32)
+    scaler.unscale_(opt)
+    assert scaler.report() is None and scaler._stats_now == []
+    with pytest.raises(RuntimeError, match="watch"):
+        scaler.grad_norms()
+    scaler.watch(model)
+    scaler.unwatch()
+    assert scaler.report() is None
+
+
+def test_parameters_not_watched_are_numbered() -> None:
+    model, opt, scaler = _setup("cpu")
+    scaler.watch([("the embedding", model.embed.weight)])
+    _backward(model, scaler, "cpu", torch.float32)
+    scaler.unscale_(opt)
+    report = scaler.report()
+    assert report is not None
+    names = [g.name for g in report.grads]
+    assert names[0] == "the embedding"
+    # named_parameters() lists the module's own `frozen` first: positions 0 (no grad) and 1.
+    assert names[1:] == [f"<param {i}>" for i in range(2, 9)]
+
+
+def test_watch_refuses_what_it_cannot_name() -> None:
+    scaler = ampfused.GradScaler("cpu")
+    with pytest.raises(TypeError, match="named_parameters"):
+        scaler.watch([torch.zeros(1)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="not a tensor"):
+        scaler.watch([("w", 3.0)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="log_skipped"):
+        scaler.watch(Net(), log_skipped="print")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="L2"):
+        scaler.watch(Net()).grad_norms(norm_type=1.0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unscale_", "fused_optimizer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_report_equals_the_reference_bit_for_bit(
+    device: str, dtype: torch.dtype, fused: bool
+) -> None:
+    """Every value of the report against ampfused.reference's definition of the pass's
+    statistics (which fixes the summation order), computed from the gradients before the pass."""
+    model, opt, scaler = _setup(device, dtype, fused=fused)
+    _backward(model, scaler, device, dtype)
+    model.block[2].weight.grad[1, :3] = torch.tensor([0.0, float("inf"), float("nan")])
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    if fused:
+        scaler.step(opt)  # the read-only pass; the optimizer unscales on its own
+    else:
+        scaler.unscale_(opt)
+    report = scaler.report()
+    assert report is not None
+    inv = ampfused.reference.inv_scale_of(torch.tensor(INIT_SCALE))
+    rows = ampfused.reference.grad_stats(grads, inv, check_only=fused)
+    per_grad, total = ampfused.reference.reduce_grad_stats(rows, [g.numel() for g in grads])
+    for g, want in zip(report.grads, per_grad.tolist(), strict=True):
+        norm = float(torch.tensor(math.sqrt(want[0]), dtype=torch.float32))
+        got = (g.norm, g.abs_max, g.pos_inf, g.neg_inf, g.nan, g.zeros)
+        assert got == pytest.approx((norm, *want[1:]), rel=0, abs=0, nan_ok=True), g.name
+    assert math.isnan(report.total_norm) and math.isnan(total)

@@ -278,3 +278,51 @@ def test_report_equals_the_reference_bit_for_bit(
         got = (g.norm, g.abs_max, g.pos_inf, g.neg_inf, g.nan, g.zeros)
         assert got == pytest.approx((norm, *want[1:]), rel=0, abs=0, nan_ok=True), g.name
     assert math.isnan(report.total_norm) and math.isnan(total)
+
+
+def test_lightning_hook_logs_this_steps_norms(tmp_path: Any) -> None:
+    """The README's Lightning pattern: grad_norms() in on_before_optimizer_step (Lightning has
+    unscaled by then) gives this step's norms, the same values as Lightning's grad_norm."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.plugins import MixedPrecision
+    from lightning.pytorch.utilities import grad_norm
+
+    seen: list[tuple[dict, dict]] = []
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            norms = scaler.grad_norms()
+            self.log_dict(norms)
+            seen.append((norms, {k: float(v) for k, v in grad_norm(self, norm_type=2).items()}))
+
+    torch.manual_seed(0)
+    model = Lit()
+    scaler = ampfused.GradScaler("cpu", init_scale=256.0).watch(model)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 6))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        default_root_dir=tmp_path,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    assert len(seen) == 3 and math.isfinite(seen[0][0]["grad_2.0_norm_total"])
+    for ours, theirs in seen:
+        assert list(ours) == list(theirs)
+        for k in ours:
+            assert ours[k] == pytest.approx(theirs[k], rel=1e-5, nan_ok=True), k
+    assert "grad_2.0_norm/net.embed.weight" in trainer.callback_metrics

@@ -994,7 +994,7 @@ class GradScaler(torch.amp.GradScaler):
         ]
         if new_scale is not None:
             # torch reads no found_inf here: the sum is taken on copies.
-            counted = bool(found_infs) and self._compute_next(pending, found_infs, False)
+            counted = bool(found_infs) and self._next_holds(pending, found_infs, False)
             self._set_scale(new_scale)
             if counted:
                 self._state[_ITERATION_COUNTERS].copy_(self._next[_ITERATION_COUNTERS])  # type: ignore[index]
@@ -1006,9 +1006,10 @@ class GradScaler(torch.amp.GradScaler):
                 "scaler.unscale_(optimizer)) for at least one optimizer with gradients before "
                 "scaler.update()."
             )
-        if not self._compute_next(pending, found_infs, True):
-            super().update()
-            return
+        if pending is None or not self._pending_is_torch_update(pending, found_infs):
+            if not self._compute_next(found_infs, True):
+                super().update()
+                return
         floor_hit = self._at_min_scale != "clamp" and bool(
             self._next[_FLOOR_HITS] != self._state[_FLOOR_HITS]  # type: ignore[index]
         )
@@ -1022,16 +1023,21 @@ class GradScaler(torch.amp.GradScaler):
         if floor_hit:
             self._report_floor_hit()
 
-    def _compute_next(
+    def _next_holds(
         self, pending: _Pending | None, found_infs: list[torch.Tensor], in_place: bool
     ) -> bool:
-        """Puts this iteration's update into _next: the one the fused passes computed, when it
-        still holds, else scaler_update_ over the found_inf tensors summed as torch's update()
-        sums them (into the first one, in place, when in_place, as torch does).  Returns False,
-        having changed nothing, where only torch's update() can do it (a device without our
-        kernels, values torch's update() refuses, a state replaced by tensors of other types)."""
+        """Whether _next holds this iteration's update: the one the fused passes computed, when
+        it still holds, else one computed now by :meth:`_compute_next`."""
         if pending is not None and self._pending_is_torch_update(pending, found_infs):
             return True
+        return self._compute_next(found_infs, in_place)
+
+    def _compute_next(self, found_infs: list[torch.Tensor], in_place: bool) -> bool:
+        """Puts this iteration's update into _next: scaler_update_ over the found_inf tensors
+        summed as torch's update() sums them (into the first one, in place, when in_place, as
+        torch does).  Returns False, having changed nothing, where only torch's update() can do
+        it (a device without our kernels, values torch's update() refuses, a state replaced by
+        tensors of other types)."""
         scale, tracker, state = self._scale, self._growth_tracker, self._state
         assert scale is not None and tracker is not None
         if state is None or not (scale.is_cuda or scale.is_cpu):

@@ -328,8 +328,6 @@ def make_loop(device: str, path: str, policy: dict[str, Any], **kw: Any) -> Loop
 def test_scaler_follows_reference(device, path, policy):
     """Every update path applies the same rule: the scaler's whole state after each iteration
     equals reference.update_state's."""
-    if path == "fused_optimizer" and device == "cpu" and policy != "torch":
-        pytest.skip("one policy suffices for the CPU's fused SGD (the path is the same)")
     loop = make_loop(device, path, POLICIES[policy])
     founds = found_sequence(random.Random(path + policy), 60, p_start=0.25)
     want = [2.0**8, 0, loop.scaler.hysteresis, 0, 0, 0, 0, 0, 0]
@@ -661,3 +659,22 @@ def test_disabled_scalers_checkpoints(device):
     with pytest.raises(RuntimeError, match="empty"):
         on.load_state_dict(off.state_dict())
     assert pickle.loads(pickle.dumps(off)).state_dict() == {}
+
+
+@pytest.mark.parametrize("touch", [False, True], ids=["pending", "recomputed"])
+def test_state_replaced_from_outside(device, touch):
+    """_scale and _growth_tracker replaced by other tensors (as code written against torch's
+    private attributes may do): the update reads and writes those, the counters go on."""
+    loop = make_loop(device, "found_inf_touched" if touch else "step", {"hysteresis": 2})
+    policy = reference_policy(loop.scaler)
+    want = [2.0**8, 0, 2, 0, 0, 0, 0, 0, 0]
+    for i, f in enumerate(FOUNDS):
+        if i == 3:
+            loop.scaler._scale = torch.full((), 2.0**7, device=device)
+            loop.scaler._growth_tracker = torch.ones((), dtype=torch.int32, device=device)
+            want = [2.0**7, 1, *want[2:]]
+        loop.step(f)
+        want = reference.update_state(want, f, *policy)
+        got = [loop.scaler.get_scale(), loop.scaler._get_growth_tracker()]
+        assert same_state([*got, *state_list(loop.scaler)[2:]], want), f"iteration {i}"
+    assert not loop.scaler._owns_state()

@@ -13,7 +13,9 @@ scaler, which it subclasses.  What changes is the cost of a step:
 
 Whenever the pending update might not be what torch would compute (the scale or a found_inf
 tensor was modified in between, factors changed, gradients on several devices, grads that are
-tensor subclasses), ``update()`` falls back to torch's own computation, so results never differ.
+tensor subclasses), ``update()`` computes it again from the found_inf tensors, summed as torch
+sums them, by the same rule (``scaler_update_``), so results never differ, and the scale policy
+and the counters hold on every path.
 
 Bad values are refused when they are given, not steps later: the constructor, the setters and
 ``load_state_dict`` try each value the way torch will use it (``torch.full`` for the scale and
@@ -39,6 +41,7 @@ import functools
 import inspect
 import math
 import numbers
+import struct
 import warnings
 import weakref
 from collections import defaultdict
@@ -185,7 +188,11 @@ def _check_fill(where: str, value: Any, dtype: torch.dtype, into: torch.Tensor |
 
 
 def _f32(value: float) -> float:
-    return torch.tensor(value, dtype=torch.float64).to(torch.float32).item()
+    """value rounded to float32 (+-inf beyond its range), with no tensor made."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # rounds to +-inf
+        return math.copysign(_INF, value)
 
 
 def _check_policy(
@@ -465,7 +472,7 @@ class GradScaler(torch.amp.GradScaler):
             ):
                 _check_update_arg("GradScaler", name, value)
         policy = _check_policy("GradScaler", min_scale, max_scale, hysteresis, at_min_scale)
-        if self._enabled:
+        if self._enabled and (min_scale is not None or max_scale is not None):
             init = _f32(float(init_scale))
             for name, bound, outside in (
                 ("min_scale", min_scale, lambda b: init < b),

@@ -13,7 +13,9 @@ scaler, which it subclasses.  What changes is the cost of a step:
 
 Whenever the pending update might not be what torch would compute (the scale or a found_inf
 tensor was modified in between, factors changed, gradients on several devices, grads that are
-tensor subclasses), ``update()`` falls back to torch's own computation, so results never differ.
+tensor subclasses), ``update()`` computes it again from the found_inf tensors, summed as torch
+sums them, by the same rule (``scaler_update_``), so results never differ, and the scale policy
+and the counters hold on every path.
 
 Bad values are refused when they are given, not steps later: the constructor, the setters and
 ``load_state_dict`` try each value the way torch will use it (``torch.full`` for the scale and
@@ -38,6 +40,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
+import numbers
+import struct
 import warnings
 import weakref
 from collections import defaultdict
@@ -46,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ampfused import _C
+from ampfused import _C, ops
 from ampfused._torch_private import (
     OptState,
     amp_update_scale_,
@@ -73,7 +78,16 @@ _ABSENT = object()
 _STATE_SIZE = 9
 _HYSTERESIS_LEFT = 2
 _CONSECUTIVE_SKIPS = 5
+_FLOOR_HITS = 8
+# steps, skipped_steps, consecutive_skips: what update(new_scale) advances
+_ITERATION_COUNTERS = slice(3, 6)
 _INF = float("inf")
+# counters()'s keys: the state's fields after hysteresis_left (ops.STATE_FIELDS).
+_COUNTER_NAMES = ops.STATE_FIELDS[_HYSTERESIS_LEFT + 1 :]
+_AT_MIN_SCALE = ("clamp", "warn", "raise")
+# state_dict()'s entry for what torch's scaler does not have (torch's load_state_dict ignores it).
+_CHECKPOINT_KEY = "ampfused"
+_POLICY_KEYS = ("min_scale", "max_scale", "hysteresis", "at_min_scale")
 # What step() does after the optimizer's step returned (see GradScaler._begin_step).
 _FINISH_NOTHING, _FINISH_STAGE, _FINISH_ATTRIBUTES = 0, 1, 2
 
@@ -176,6 +190,111 @@ def _check_fill(where: str, value: Any, dtype: torch.dtype, into: torch.Tensor |
             f"{where} must be {kind}; got {value!r} ({type(value).__name__}), which cannot be "
             f"written into the scaler's {dtype} state: {e}"
         ) from e
+
+
+def _f32(value: float) -> float:
+    """value rounded to float32 (+-inf beyond its range), with no tensor made."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # rounds to +-inf
+        return math.copysign(_INF, value)
+
+
+def _check_policy(
+    where: str, min_scale: Any, max_scale: Any, hysteresis: Any, at_min_scale: Any
+) -> tuple[float | None, float | None, int, str]:
+    """The scale policy as GradScaler keeps it, or the exception naming the argument: TypeError
+    for a wrong type, ValueError for a value out of range."""
+    bounds: list[float | None] = []
+    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if value is None:
+            bounds.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"{where}: {name} must be None (no bound) or a positive float; got {value!r} "
+                f"({type(value).__name__})"
+            )
+        try:
+            bound = _f32(float(value))  # the kernels hold it as a float32, as the scale
+        except OverflowError:  # an int beyond float64
+            bound = _INF
+        if not (math.isfinite(bound) and bound > 0):
+            raise ValueError(
+                f"{where}: {name} must be a positive number that float32 can hold (or None for "
+                f"no bound); got {value!r}"
+            )
+        bounds.append(float(value))
+    low, high = bounds
+    if low is not None and high is not None and _f32(low) > _f32(high):
+        raise ValueError(
+            f"{where}: min_scale={min_scale!r} is above max_scale={max_scale!r}; pass "
+            "min_scale <= max_scale"
+        )
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
+        raise TypeError(
+            f"{where}: hysteresis must be an int >= 1 (the number of consecutive steps with "
+            f"inf/NaN that backs the scale off; 1 is torch's rule); got {hysteresis!r} "
+            f"({type(hysteresis).__name__})"
+        )
+    if not 1 <= hysteresis <= 2**31 - 1:
+        raise ValueError(
+            f"{where}: hysteresis must be an int from 1 to 2**31 - 1 (1 is torch's rule); got "
+            f"{hysteresis!r}"
+        )
+    if not isinstance(at_min_scale, str):
+        raise TypeError(
+            f"{where}: at_min_scale must be one of {', '.join(map(repr, _AT_MIN_SCALE))}; got "
+            f"{at_min_scale!r} ({type(at_min_scale).__name__})"
+        )
+    if at_min_scale not in _AT_MIN_SCALE:
+        raise ValueError(
+            f"{where}: at_min_scale must be one of {', '.join(map(repr, _AT_MIN_SCALE))}; got "
+            f"{at_min_scale!r}"
+        )
+    if at_min_scale != "clamp" and low is None:
+        raise ValueError(
+            f"{where}: at_min_scale={at_min_scale!r} acts when a backoff is held at min_scale, "
+            "and min_scale is None: pass min_scale too"
+        )
+    return low, high, int(hysteresis), at_min_scale
+
+
+def _checked_extra(entry: Any) -> tuple[tuple, list[int]] | None:
+    """state_dict()["ampfused"] checked: (the policy, hysteresis left and the counters), or
+    None when the checkpoint has no such entry (one of torch's scaler)."""
+    if entry is _ABSENT:
+        return None
+    where = f"load_state_dict: state_dict[{_CHECKPOINT_KEY!r}]"
+    if not isinstance(entry, dict):
+        raise TypeError(
+            f"{where} must be the dict GradScaler.state_dict() writes there; got "
+            f"{type(entry).__name__}"
+        )
+    names = (*_POLICY_KEYS, "hysteresis_left", *_COUNTER_NAMES)
+    missing = [name for name in names if name not in entry]
+    if missing:
+        raise KeyError(
+            f"{where} has no {', '.join(map(repr, missing))} entry; it needs "
+            f"{', '.join(map(repr, names))}, as GradScaler.state_dict() writes them"
+        )
+    policy = _check_policy(where, *(entry[name] for name in _POLICY_KEYS))
+    counters = []
+    for name in names[len(_POLICY_KEYS) :]:
+        value = entry[name]
+        if type(value) is not int:
+            raise TypeError(
+                f"{where}[{name!r}] must be an int (an int32 counter); got {value!r} "
+                f"({type(value).__name__})"
+            )
+        _check_fill(f"{where}[{name!r}]", value, torch.int32, None)
+        counters.append(value)
+    if not 0 <= counters[0] <= policy[2]:
+        raise ValueError(
+            f"{where}['hysteresis_left'] must be from 0 to hysteresis={policy[2]}; got "
+            f"{counters[0]}"
+        )
+    return policy, counters
 
 
 def _kernel_update_args(
@@ -287,10 +406,35 @@ class GradScaler(torch.amp.GradScaler):
         growth_interval: consecutive clean steps before the scale grows (an int).
         enabled: if False, every method is a no-op, as in torch.
 
+        The scale policy, keyword-only (the defaults are torch's rule, bit for bit), applied on
+        the device by the update that applies the factors, and saved by :meth:`state_dict`:
+
+        min_scale: a backoff that would take the scale below it stops at it (a "floor hit"); a
+            scale already below it stays.  None: no floor.  Held as a float32, as the scale.
+        max_scale: a growth that would take the scale above it stops at it; a scale already
+            above it stays.  None: no ceiling.
+        hysteresis: back off only on the ``hysteresis``-th consecutive step with inf/NaN (and
+            on every one after it); any clean step refills it, as apex's
+            ``update_scale_hysteresis`` (Megatron refills only when the scale grows).  Every
+            step with inf/NaN is skipped and resets the growth tracker all the same.
+        at_min_scale: what a floor hit does besides holding the scale: ``"clamp"`` nothing,
+            ``"warn"`` a ``UserWarning`` from :meth:`update`, ``"raise"`` a ``RuntimeError``
+            from :meth:`update`, after the update is committed (the scaler is consistent and
+            ready for the next iteration; catching the error and going on is ``"clamp"``).
+            "warn" and "raise" cost :meth:`update` a 4-byte device-to-host read (a sync).
+        scaling: False makes the scaler a guard for bf16 (or float32) training, which needs no
+            loss scaling: the scale stays 1.0, every pass only checks (gradients are never
+            written, float16 ones included), and a step with inf/NaN is still skipped, with the
+            counters and :meth:`watch` as usual.  No host sync with fused optimizers.
+
     Raises:
         AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch).
         TypeError, ValueError, OverflowError, RuntimeError: a value torch would fail on at the
             first ``scale()`` or ``update()``, with the exception torch raises there.
+        TypeError, ValueError: a policy argument of the wrong type or out of range
+            (``min_scale > max_scale``, ``hysteresis < 1``, ``init_scale`` outside
+            ``[min_scale, max_scale]``, ``at_min_scale`` other than "clamp" without
+            ``min_scale``).
     """
 
     def __init__(
@@ -302,10 +446,19 @@ class GradScaler(torch.amp.GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
         *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        at_min_scale: str = "clamp",
         scaling: bool = True,
     ) -> None:
         if type(scaling) is not bool:
             raise TypeError(f"GradScaler: scaling must be True or False, got {scaling!r}")
+        if not scaling and (min_scale is not None or max_scale is not None or hysteresis != 1):
+            raise ValueError(
+                "GradScaler(scaling=False) keeps the scale at 1.0, so min_scale, max_scale and "
+                "hysteresis have nothing to act on; leave them at their defaults"
+            )
         try:
             super().__init__(
                 device=device,
@@ -343,6 +496,19 @@ class GradScaler(torch.amp.GradScaler):
             self._init_scale = 1.0
             self._growth_factor = 1.0
             self._backoff_factor = 1.0
+        policy = _check_policy("GradScaler", min_scale, max_scale, hysteresis, at_min_scale)
+        if self._enabled and (min_scale is not None or max_scale is not None):
+            init = _f32(float(init_scale))
+            for name, bound, outside in (
+                ("min_scale", min_scale, lambda b: init < b),
+                ("max_scale", max_scale, lambda b: init > b),
+            ):
+                if bound is not None and outside(_f32(bound)):
+                    raise ValueError(
+                        f"GradScaler: init_scale={init_scale!r} is outside the scale's bounds "
+                        f"({name}={bound!r}); pass an init_scale from min_scale to max_scale"
+                    )
+        self._set_policy(*policy)
 
     def _init_fused_state(self) -> None:
         # _state (int32, _STATE_SIZE elements: ScalerState in csrc/unscale_math.h) owns _scale
@@ -361,6 +527,43 @@ class GradScaler(torch.amp.GradScaler):
         self._watch: _Watch | None = None
         self._stats_now: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         self._stats_last: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        # The policy (the constructor sets it), and the state after the growth tracker for the
+        # lazy init (hysteresis left and the counters; None: a fresh start), as torch keeps
+        # _init_growth_tracker.
+        self._set_policy(None, None, 1, "clamp")
+        self._init_counters: list[int] | None = None
+
+    def _set_policy(
+        self, min_scale: float | None, max_scale: float | None, hysteresis: int, at_min_scale: str
+    ) -> None:
+        self._min_scale, self._max_scale = min_scale, max_scale
+        self._hysteresis, self._at_min_scale = hysteresis, at_min_scale
+        # (min_scale, max_scale, hysteresis) as the ops take them
+        self._kernel_policy = (
+            -_INF if min_scale is None else min_scale,
+            _INF if max_scale is None else max_scale,
+            hysteresis,
+        )
+
+    @property
+    def min_scale(self) -> float | None:
+        """The floor of the scale (None: none); set by the constructor or load_state_dict."""
+        return self._min_scale
+
+    @property
+    def max_scale(self) -> float | None:
+        """The ceiling of the scale (None: none); set by the constructor or load_state_dict."""
+        return self._max_scale
+
+    @property
+    def hysteresis(self) -> int:
+        """Consecutive steps with inf/NaN that back the scale off (1: every one, as torch)."""
+        return self._hysteresis
+
+    @property
+    def at_min_scale(self) -> str:
+        """What a backoff held at min_scale does: "clamp", "warn" or "raise"."""
+        return self._at_min_scale
 
     # ----------------------------------------------------------------------------- state
     @_not_traced_eager
@@ -372,13 +575,45 @@ class GradScaler(torch.amp.GradScaler):
         # and the next one raises again.
         scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
-        rest = torch.zeros(_STATE_SIZE - 2, dtype=torch.int32, device=dev)
-        rest[_HYSTERESIS_LEFT - 2] = 1
+        rest = torch.tensor(self._counters_at_init(), dtype=torch.int32, device=dev)
         state = torch.cat((scale.view(torch.int32).reshape(1), tracker.reshape(1), rest))
         self._state = state
         self._scale = state[0].view(torch.float32)
         self._growth_tracker = state[1]
         self._state_views = (self._scale, self._growth_tracker)
+
+    def _counters_at_init(self) -> list[int]:
+        """Hysteresis left and the counters for the lazy init: loaded or unpickled ones, or a
+        fresh start."""
+        if self._init_counters is not None:
+            return self._init_counters
+        return [self._hysteresis] + [0] * len(_COUNTER_NAMES)
+
+    def _counter_values(self) -> list[int]:
+        """Hysteresis left and the counters, as ints (one device-to-host copy once the state
+        exists)."""
+        if self._state is None:
+            return self._counters_at_init()
+        return self._state[_HYSTERESIS_LEFT:].tolist()
+
+    @_not_traced_eager
+    def counters(self) -> dict[str, int]:
+        """The scaler's counters, read from the device with one copy (a host sync).
+
+        Returns:
+            ``steps`` (update() calls that ended an iteration), ``skipped_steps`` (of those,
+            iterations that found inf/NaN: the optimizer step was skipped),
+            ``consecutive_skips`` (skipped iterations since the last clean one), ``growths`` and
+            ``backoffs`` (iterations that raised / lowered the scale), ``floor_hits`` (backoffs
+            held at min_scale), then ``hysteresis_left`` (steps with inf/NaN still tolerated
+            before the next backoff).  Zero before the first iteration (unless loaded from a
+            checkpoint) and when the scaler is disabled.  int32 on the device: they wrap after
+            2**31 - 1.
+        """
+        if not self._enabled:
+            return dict.fromkeys((*_COUNTER_NAMES, "hysteresis_left"), 0)
+        left, *counts = self._counter_values()
+        return {**dict(zip(_COUNTER_NAMES, counts, strict=True)), "hysteresis_left": left}
 
     def _owns_state(self) -> bool:
         views = self._state_views
@@ -450,6 +685,13 @@ class GradScaler(torch.amp.GradScaler):
             _check_fill(where, tracker, torch.int32, None)
         for name, value in zip(_UPDATE_ARGS, factors, strict=True):
             _check_update_arg(f"load_state_dict: state_dict[{name!r}]", name, value)
+        # Ours: the policy and the counters.  A checkpoint of torch's scaler has none: the
+        # policy stays and the counters start afresh.
+        extra = _checked_extra(state_dict.get(_CHECKPOINT_KEY, _ABSENT))
+        if extra is None:
+            policy, counters = None, [self._hysteresis] + [0] * len(_COUNTER_NAMES)
+        else:
+            policy, counters = extra
 
         self._init_scale = scale
         if self._scale is not None:
@@ -458,7 +700,31 @@ class GradScaler(torch.amp.GradScaler):
         self._init_growth_tracker = tracker
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(tracker)
+        if policy is not None:
+            self._set_policy(*policy)
+        self._init_counters = counters
+        if self._state is not None:
+            self._state[_HYSTERESIS_LEFT:].copy_(torch.tensor(counters, dtype=torch.int32))
         self._pending = None
+
+    @_not_traced_eager
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict (``{}`` when disabled), plus an ``"ampfused"`` entry holding the
+        scale policy, hysteresis left and the counters as Python values (torch's
+        ``load_state_dict`` ignores it, so either class loads the other's checkpoint).  Syncs
+        with the device, as torch's."""
+        state = super().state_dict()
+        if self._enabled:
+            left, *counts = self._counter_values()
+            state[_CHECKPOINT_KEY] = {
+                "min_scale": self._min_scale,
+                "max_scale": self._max_scale,
+                "hysteresis": self._hysteresis,
+                "at_min_scale": self._at_min_scale,
+                "hysteresis_left": left,
+                **dict(zip(_COUNTER_NAMES, counts, strict=True)),
+            }
+        return state
 
     @_not_traced_eager
     def set_growth_factor(self, new_factor: float) -> None:
@@ -484,6 +750,8 @@ class GradScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
+            # Made again lazily from _init_scale, _init_growth_tracker (torch's) and ours:
+            state["_init_counters"] = self._counter_values()
             state["_state"] = None
             state["_state_views"] = None
             state["_next"] = None
@@ -531,9 +799,7 @@ class GradScaler(torch.amp.GradScaler):
             self._pass_state(),
             nxt,
             *factors,
-            -_INF,
-            _INF,
-            1,
+            *self._kernel_policy,
             check_only,
             pending is not None and bool(pending.found),
             allow_fp16,
@@ -745,9 +1011,22 @@ class GradScaler(torch.amp.GradScaler):
         """Update the scale for the next iteration, as :meth:`torch.amp.GradScaler.update`.
 
         Without ``new_scale`` this commits the update the fused passes already computed (one
-        8-byte copy), unless something changed since, in which case torch's computation runs.
+        copy), unless something changed since, in which case it is computed again from the
+        found_inf tensors, summed as torch sums them.  Either way the same rule applies: torch's,
+        with the scale policy and the counters (:meth:`counters`); only a scale on a device
+        other than cpu/cuda takes torch's own update (no policy, no counters).
+
         With ``new_scale`` (a float, or a one-element tensor on the scaler's device type that
-        does not require grad) the scale is set to it; the growth tracker is left as it is.
+        does not require grad) the scale is set to it and the rest of the rule's state (growth
+        tracker, hysteresis left) is left as it is, as torch leaves the tracker.  An iteration
+        that ran (an inf check was recorded) still counts in ``steps``, and in
+        ``skipped_steps``/``consecutive_skips`` when it found inf/NaN; no growth, backoff or
+        floor hit is counted.
+
+        Raises:
+            RuntimeError: ``at_min_scale="raise"`` and this update held a backoff at min_scale.
+                Raised after the update is committed: the scale is min_scale, the counters
+                include this step, and the scaler is ready for the next iteration.
         """
         if compiled_region_active():
             return _eager(GradScaler.update)(self, new_scale)
@@ -757,15 +1036,19 @@ class GradScaler(torch.amp.GradScaler):
         if self._watch is not None:
             self._close_iteration()
         pending, self._pending = self._pending, None
-        if new_scale is not None:
-            self._set_scale(new_scale)
-            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-            return
         found_infs = [
             f
             for state in self._per_optimizer_states.values()
             for f in state["found_inf_per_device"].values()
         ]
+        if new_scale is not None:
+            # torch reads no found_inf here: the sum is taken on copies.
+            counted = bool(found_infs) and self._next_holds(pending, found_infs, False)
+            self._set_scale(new_scale)
+            if counted:
+                self._state[_ITERATION_COUNTERS].copy_(self._next[_ITERATION_COUNTERS])  # type: ignore[index]
+            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            return
         if len(found_infs) == 0:
             raise AssertionError(
                 "No inf checks were recorded prior to update. Call scaler.step(optimizer) (or "
@@ -773,8 +1056,12 @@ class GradScaler(torch.amp.GradScaler):
                 "scaler.update()."
             )
         if pending is None or not self._pending_is_torch_update(pending, found_infs):
-            super().update()
-            return
+            if not self._compute_next(found_infs, True):
+                super().update()
+                return
+        floor_hit = self._at_min_scale != "clamp" and bool(
+            self._next[_FLOOR_HITS] != self._state[_FLOOR_HITS]  # type: ignore[index]
+        )
         if self._owns_state():
             self._state.copy_(self._next)  # type: ignore[union-attr]
         else:  # _scale/_growth_tracker were replaced from outside: copy into whatever they are
@@ -782,6 +1069,66 @@ class GradScaler(torch.amp.GradScaler):
             self._growth_tracker.copy_(self._next_growth_tracker)  # type: ignore[union-attr]
             self._state[2:].copy_(self._next[2:])  # type: ignore[index]
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        if floor_hit:
+            self._report_floor_hit()
+
+    def _next_holds(
+        self, pending: _Pending | None, found_infs: list[torch.Tensor], in_place: bool
+    ) -> bool:
+        """Whether _next holds this iteration's update: the one the fused passes computed, when
+        it still holds, else one computed now by :meth:`_compute_next`."""
+        if pending is not None and self._pending_is_torch_update(pending, found_infs):
+            return True
+        return self._compute_next(found_infs, in_place)
+
+    def _compute_next(self, found_infs: list[torch.Tensor], in_place: bool) -> bool:
+        """Puts this iteration's update into _next: scaler_update_ over the found_inf tensors
+        summed as torch's update() sums them (into the first one, in place, when in_place, as
+        torch does).  Returns False, having changed nothing, where only torch's update() can do
+        it (a device without our kernels, values torch's update() refuses, a state replaced by
+        tensors of other types)."""
+        scale, tracker, state = self._scale, self._growth_tracker, self._state
+        assert scale is not None and tracker is not None
+        if state is None or not (scale.is_cuda or scale.is_cpu):
+            return False
+        if not self._owns_state() and (
+            scale.dtype != torch.float32
+            or tracker.dtype != torch.int32
+            or scale.device != state.device
+            or tracker.device != state.device
+        ):
+            return False
+        factors = _kernel_update_args(
+            self._growth_factor, self._backoff_factor, self._growth_interval
+        )
+        if factors is None:
+            return False
+        dev = scale.device
+        # (a CPU kernel reads its input at once: no asynchronous copy to the CPU)
+        moved = [f.to(device=dev, non_blocking=dev.type != "cpu") for f in found_infs]
+        found = moved[0] if in_place else moved[0].clone()
+        for f in moved[1:]:
+            found += f
+        ops.scaler_update_(
+            found, self._pass_state(), self._pending_buffer(dev), *factors, *self._kernel_policy
+        )
+        return True
+
+    def _report_floor_hit(self) -> None:
+        """at_min_scale's "warn" or "raise", for an update that held a backoff at min_scale."""
+        counts = self.counters()
+        message = (
+            f"GradScaler: the gradients of step {counts['steps']} had inf/NaN (the optimizer "
+            f"step was skipped) and the scale's backoff is held at min_scale={self._min_scale!r}:"
+            f" the scale is {self.get_scale()!r}, floor hit number {counts['floor_hits']}.  "
+            "Gradients that overflow "
+            "at the floor point at a diverging run or a bad batch rather than a scale too high: "
+            "find the parameter with inf/NaN gradients, lower min_scale, or pass "
+            "at_min_scale='clamp' to go on at the floor."
+        )
+        if self._at_min_scale == "raise":
+            raise RuntimeError(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         # update(new_scale): torch's rules and exception types, messages that say what was given.

@@ -239,8 +239,10 @@ struct ScalePolicy {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
-  float min_scale = -__builtin_huge_valf();  // a backoff below it is held at it
-  float max_scale = __builtin_huge_valf();   // a growth above it is held at it
+  // A backoff below min_scale is held at it, a growth above max_scale at it; a scale already
+  // beyond a bound stays where it is (an overflow never raises the scale, a growth never lowers).
+  float min_scale = -__builtin_huge_valf();
+  float max_scale = __builtin_huge_valf();
   int32_t hysteresis = 1;  // back off on the hysteresis-th consecutive overflowing step
 };
 
@@ -462,7 +464,7 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
     if (hysteresis_left == 0) {
       next = static_cast<float>(static_cast<double>(scale) * p.backoff_factor);
       if (next < p.min_scale) {
-        next = p.min_scale;
+        next = scale < p.min_scale ? scale : p.min_scale;
         floor_hit = true;
       }
     }

@@ -155,7 +155,8 @@ class World:
         scaler: Any = None
         if s is not None:
             try:
-                sd: Any = {k: _value(v) for k, v in s.state_dict().items()}
+                # (less ampfused's own entry: torch's scaler has none)
+                sd: Any = {k: _value(v) for k, v in s.state_dict().items() if k != "ampfused"}
             except Exception as e:
                 sd = ("raises", _exception(e)[0][0])
             states = getattr(s, "_per_optimizer_states", {})

@@ -116,11 +116,19 @@ def make_sides(device: str, build: Build, classes=SCALERS, **scaler_kw: Any) -> 
     return sides
 
 
+def torch_state_dict(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """scaler.state_dict() less ampfused's own entry (policy and counters, which torch's scaler
+    does not have; tests/test_scale_policy.py checks it): what must equal torch's."""
+    state = scaler.state_dict()
+    state.pop(ampfused.grad_scaler._CHECKPOINT_KEY, None)
+    return state
+
+
 def scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
     return {
         "_scale": getattr(scaler, "_scale", None),
         "_growth_tracker": getattr(scaler, "_growth_tracker", None),
-        "state_dict": scaler.state_dict(),
+        "state_dict": torch_state_dict(scaler),
         "is_enabled": scaler.is_enabled(),
     }
 
@@ -336,13 +344,14 @@ def test_is_a_torch_grad_scaler():
     s = FusedScaler("cpu")
     assert isinstance(s, torch.amp.GradScaler)
     assert issubclass(FusedScaler, torch.amp.GradScaler)
-    sig_t = inspect.signature(TorchScaler.__init__).parameters
-    sig_a = inspect.signature(FusedScaler.__init__).parameters
-    # torch's parameters, in torch's order with torch's defaults; ours follow, keyword-only,
-    # so no call written for torch's scaler binds differently.
-    ours = [(p.name, p.default, p.kind) for p in sig_a.values()]
-    assert [(p.name, p.default, p.kind) for p in sig_t.values()] == ours[: len(sig_t)]
-    assert all(kind is inspect.Parameter.KEYWORD_ONLY for _, _, kind in ours[len(sig_t) :])
+    sig_t = list(inspect.signature(TorchScaler.__init__).parameters.values())
+    sig_a = list(inspect.signature(FusedScaler.__init__).parameters.values())
+    # torch's arguments, then ours (the scale policy), keyword-only with defaults
+    assert [(p.name, p.default, p.kind) for p in sig_t] == [
+        (p.name, p.default, p.kind) for p in sig_a[: len(sig_t)]
+    ]
+    extra = sig_a[len(sig_t) :]
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in extra), extra
     assert ampfused.grad_scaler.OptState is torch.amp.grad_scaler.OptState
 
 
@@ -645,7 +654,7 @@ def test_disabled_scaler(device):
             "ret": ret,
             "get_scale": side.scaler.get_scale(),
             "tracker": side.scaler._get_growth_tracker(),
-            "state_dict": side.scaler.state_dict(),
+            "state_dict": torch_state_dict(side.scaler),
             "enabled": side.scaler.is_enabled(),
         }
 
@@ -972,7 +981,7 @@ def test_state_dict_matches_torch(device):
         "growth_interval": 3,
     }
     sides = make_sides(device, build_net("sgd", "forloop"), **kw)
-    sds = [s.scaler.state_dict() for s in sides]  # before the scale exists
+    sds = [torch_state_dict(s.scaler) for s in sides]  # before the scale exists
     assert_same(sds[0], sds[1])
     assert list(sds[0]) == [
         "scale",
@@ -981,6 +990,7 @@ def test_state_dict_matches_torch(device):
         "growth_interval",
         "_growth_tracker",
     ]
+    assert list(sides[1].scaler.state_dict()) == [*sds[0], "ampfused"]
     history = lockstep(sides, make_train_step(), 6)  # compares state_dict() every iteration
     assert any(h["mid"]["_growth_tracker"].item() for h in history)
 
@@ -1016,7 +1026,7 @@ def test_checkpoint_crossload_mid_training(device):
     used_fused = FusedScaler(device, init_scale=7.0)
     used_fused.scale(torch.ones((), device=device))
     _crossload(old[2], used_fused)
-    assert_same(used_fused.state_dict(), old[2].state_dict())
+    assert_same(torch_state_dict(used_fused), old[2].state_dict())
     lockstep(sides, step, range(i, i + 6))
 
 

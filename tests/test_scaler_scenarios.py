@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_grad_scaler import SCALERS, Side, assert_same, device_key, lockstep
+from test_grad_scaler import SCALERS, Side, assert_same, device_key, lockstep, torch_state_dict
 from torch import nn
 from torch.torch_version import TorchVersion
 
@@ -433,7 +433,7 @@ def test_load_state_dict_overwrites_everything(device, source, lazy_init):
         dst.load_state_dict((src_cls or cls)(device, **saved).state_dict())
         got = (dst.get_scale(), dst.get_growth_factor(), dst.get_backoff_factor())
         assert got + (dst.get_growth_interval(), dst._init_growth_tracker) == (3.0, 4.0, 0.5, 2, 0)
-        return dst.state_dict()
+        return torch_state_dict(dst)
 
     probe.__name__ = f"load_state_dict from {source}"
     each_scaler(probe)

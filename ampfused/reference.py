@@ -340,12 +340,23 @@ def scaler_pass_(
     check_only: bool = False,
     accumulate: bool = False,
 ) -> None:
-    """:func:`unscale_update_scale_` over the whole state, by :func:`update_state`.  grad_stats
-    is not written here (its specification is separate)."""
+    """:func:`unscale_update_scale_` over the whole state, by :func:`update_state`; grad_stats
+    (when given) receives the header (scale in force, steps so far, found) and the rows of
+    :func:`grad_stats`."""
     found = _any_non_finite(grads)
+    if grad_stats is not None:
+        scale = state[0:1].view(torch.float32)
+        grad_stats.zero_()
+        grad_stats[0, 0] = float(scale.item())
+        grad_stats[0, 1] = float(state[3].item())  # steps
+        grad_stats[0, 2] = 1.0 if found else 0.0
+        grad_stats[1:] = _stat_rows(grads, inv_scale_of(scale), check_only).to(grad_stats.device)
     if not check_only:
         _unscale_(grads, float(inv_scale_of(state[0:1].view(torch.float32)).item()))
     found_inf.fill_(1.0 if found else 0.0)
     if not accumulate or found:
         policy = (growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
         _update_into(next_state, state, found, *policy)
+
+
+_stat_rows = grad_stats  # (scaler_pass_'s argument of that name hides the function)

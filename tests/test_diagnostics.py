@@ -326,3 +326,33 @@ def test_lightning_hook_logs_this_steps_norms(tmp_path: Any) -> None:
         for k in ours:
             assert ours[k] == pytest.approx(theirs[k], rel=1e-5, nan_ok=True), k
     assert "grad_2.0_norm/net.embed.weight" in trainer.callback_metrics
+
+
+@pytest.mark.parametrize("check_only", [False, True], ids=["unscale", "check_only"])
+def test_scaler_pass_table_equals_reference(device: str, check_only: bool) -> None:
+    """The whole table of the op, header included, against ampfused.reference.scaler_pass_."""
+    torch.manual_seed(0)
+    grads = [
+        torch.randn(70000, device=device) * 100,
+        torch.randn(5, device=device).bfloat16(),
+        torch.zeros(0, device=device),
+        torch.randn(3, 4, device=device).half().t(),
+    ]
+    grads[0][5] = float("inf")
+    grads[1][2] = float("nan")
+    state = torch.zeros(ampfused.ops.STATE_SIZE, dtype=torch.int32, device=device)
+    state[0] = torch.tensor(1024.0, device=device).view(torch.int32)
+    state[2], state[3] = 1, 7
+    out = []
+    for run in (ampfused.ops.scaler_pass_, ampfused.reference.scaler_pass_):
+        gs = [g.clone() for g in grads]
+        table = torch.empty(ampfused.ops.grad_stats_rows(gs), 6, dtype=torch.float64, device=device)
+        found, nxt = torch.zeros((), device=device), torch.empty_like(state)
+        run(gs, found, state, nxt, table, 2.0, 0.5, 2000, check_only=check_only)
+        out.append((table.cpu(), nxt.cpu(), found.cpu(), [g.cpu() for g in gs]))
+    (ta, na, fa, ga), (tb, nb, fb, gb) = out
+    assert torch.equal(ta.nan_to_num(), tb.nan_to_num()) and torch.equal(ta.isnan(), tb.isnan())
+    assert ta[0].tolist() == [1024.0, 7.0, 1.0, 0.0, 0.0, 0.0]
+    assert torch.equal(na, nb) and torch.equal(fa, fb)
+    for a, b in zip(ga, gb, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

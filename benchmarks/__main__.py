@@ -131,7 +131,7 @@ def list_everything() -> None:
         )
     print("methods:")
     for m in METHODS.values():
-        print(f"  {m.name:12s} [{m.kind}] {m.description}")
+        print(f"  {m.name:14s} [{m.kind}] {m.description}")
     print("dtypes:", ", ".join(DTYPE_NAMES))
 
 

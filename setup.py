@@ -105,7 +105,9 @@ def extensions():
     with_cuda = _want_cuda()
     # Every C++ file of csrc/ and csrc/cpu/ is built; csrc/cuda/ only with the CUDA kernels.
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
+    # -ffp-contract=off: no FMA contraction (GCC contracts by default in C++), so the grad_stats
+    # sums round as ampfused.reference computes them (csrc/unscale_math.h, stat_mul/stat_add).
+    cxx = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function", "-ffp-contract=off"]
     extra_link = ["-fopenmp"] + ([_TORCH_LIBSTDCXX] if _TORCH_LIBSTDCXX else [])
     if not with_cuda:
         return [

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "grad_gather.h"
+#include "grad_stats.h"
 #include "ops.h"
 #include "unscale.h"
 #include "unscale_math.h"
@@ -275,6 +276,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("with_stats"));
   m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
         py::arg("found_inf"), py::arg("allow_fp16"));
+  m.def("reduce_grad_stats", &ampfused::reduce_grad_stats, py::arg("item_rows"), py::arg("numels"));
+  m.def(
+      "reduce_grad_stats",
+      [](const at::Tensor& item_rows, const at::Tensor& numels) {
+        TORCH_CHECK(numels.dim() == 1 && numels.scalar_type() == at::kLong,
+                    "reduce_grad_stats: numels must be a list of ints or a 1-D int64 tensor, got ",
+                    numels.scalar_type(), " of shape ", numels.sizes());
+        const at::Tensor n = numels.cpu().contiguous();
+        const int64_t* p = n.const_data_ptr<int64_t>();
+        return ampfused::reduce_grad_stats(item_rows, std::vector<int64_t>(p, p + n.numel()));
+      },
+      py::arg("item_rows"), py::arg("numels"));
   m.def("_visit_elements", &ampfused::visit_elements, py::arg("tensor"), py::arg("inv_scale"),
         py::arg("check_only"));
   if (PyModule_AddFunctions(m.ptr(), ampfused::eager_calls) != 0) throw py::error_already_set();

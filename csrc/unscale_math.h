@@ -134,10 +134,13 @@ AMPFUSED_INLINE uint32_t non_finite_bf16_bits(uint16_t h) {
 // bfloat16 from float: round to nearest even, any NaN -> 0x7FC0 (c10::BFloat16's host rule).
 // Written on the bits, without branches, so the CPU loop vectorizes; CUDA uses it too, so both
 // backends store the same bits (c10's device conversion would store 0x7FFF for NaN on sm_80+).
+// The NaN case is a mask, not a select: GCC then vectorizes loops that also read the result back
+// (the grad_stats loops).
 AMPFUSED_INLINE uint16_t float_to_bf16_bits(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7fffffffu) > kFloatExpMask ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+  const uint32_t nan = (u & 0x7fffffffu) > kFloatExpMask;
+  return static_cast<uint16_t>((rounded & (nan - 1u)) | (0x7fc0u & (0u - nan)));
 }
 AMPFUSED_INLINE float bf16_bits_to_float(uint16_t h) {
   return bits_float(static_cast<uint32_t>(h) << 16);
@@ -258,6 +261,149 @@ enum StatHeader : int {
   kHeaderStep,       // the steps counter before this iteration's update
   kHeaderFound,      // 1 if this pass found inf/NaN
 };
+
+// The fixed order of an item's sum of squares, the same on every backend and at any alignment:
+// with V = kStatVecBytes / sizeof(T) and L = kStatThreads * V lanes, element i of the item
+// goes to lane i % L, each lane adds its squares in increasing i, thread t sums its lanes
+// t*V .. t*V+V-1 in order, and stat_tree_level pairs the kStatThreads thread sums.  On CUDA
+// thread t's lanes are exactly its 16-byte vectors of an aligned item.
+constexpr int kStatThreads = 512;
+constexpr int kStatVecBytes = 16;
+template <typename T>
+constexpr int kStatVec = kStatVecBytes / static_cast<int>(sizeof(T));
+template <typename T>
+constexpr int kStatLanes = kStatThreads * kStatVec<T>;
+
+// Multiply and add, each rounded: never contracted into an FMA (CUDA's _rn intrinsics; the CPU
+// sources are compiled with -ffp-contract=off, setup.py), so the sums match the reference.
+AMPFUSED_INLINE float stat_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+AMPFUSED_INLINE float stat_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+AMPFUSED_INLINE double stat_mul(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+AMPFUSED_INLINE double stat_add(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// The opmath type's bits: the special values and the abs-max are compared as integers (for
+// non-negative floats integer order is float order), which vectorizes on the CPU.
+template <typename M>
+struct StatBits {
+  using type = uint32_t;
+  static constexpr uint32_t kSign = 0x80000000u;
+  static constexpr uint32_t kInf = kFloatExpMask;
+  static AMPFUSED_INLINE uint32_t of(float x) { return float_bits(x); }
+  static AMPFUSED_INLINE float value(uint32_t b) { return bits_float(b); }
+};
+template <>
+struct StatBits<double> {
+  using type = uint64_t;
+  static constexpr uint64_t kSign = 0x8000000000000000ull;
+  static constexpr uint64_t kInf = kDoubleExpMask;
+  static AMPFUSED_INLINE uint64_t of(double x) { return double_bits(x); }
+  static AMPFUSED_INLINE double value(uint64_t b) {
+#if defined(__CUDA_ARCH__)
+    return __longlong_as_double(static_cast<long long>(b));
+#else
+    double x;
+    std::memcpy(&x, &b, sizeof(x));
+    return x;
+#endif
+  }
+};
+
+// An item's (CPU) or a thread's share of an item's (CUDA) fields other than the sum: each
+// order-free, counted in the width of the bits so the CPU loops stay one lane width.
+template <typename M>
+struct StatCounts {
+  using B = typename StatBits<M>::type;
+  B pos_inf = 0;
+  B neg_inf = 0;
+  B nan = 0;
+  B zeros = 0;
+  B abs_max_bits = 0;  // max |u| over the finite u, as bits
+  AMPFUSED_INLINE bool found() const { return (pos_inf | neg_inf | nan) != 0; }
+};
+
+// One element with statistics: x as visit() leaves it, its square added to `lane`, the counts
+// of its input and of u (StatField).  u is the value a writing pass stores, read back in
+// opmath; a check-only pass writes nothing and u is v * inv in opmath.
+template <typename T, bool kCheckOnly>
+AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t<T>& lane,
+                                StatCounts<opmath_t<T>>& c) {
+  using M = opmath_t<T>;
+  using SB = StatBits<M>;
+  using B = typename SB::type;
+  const M v = to_opmath(x);
+  const B vb = SB::of(v);
+  c.pos_inf += vb == SB::kInf;
+  c.neg_inf += vb == (SB::kInf | SB::kSign);
+  c.nan += (vb & ~SB::kSign) > SB::kInf;
+  M u = unscaled(v, inv, inv_is_one);
+  if (!kCheckOnly) {
+    x = to_storage<T>(u);
+    u = to_opmath(x);
+  }
+  lane = stat_add(lane, stat_mul(u, u));
+  const B ub = SB::of(u) & ~SB::kSign;
+  c.zeros += ub == 0;
+  // A mask, not a select: GCC vectorizes the max reduction of this form only.
+  const B finite_abs = ub & (B{0} - static_cast<B>(ub < SB::kInf));
+  c.abs_max_bits = c.abs_max_bits > finite_abs ? c.abs_max_bits : finite_abs;
+}
+
+// Thread t's sum: its V lanes in order.
+template <typename M, int V>
+AMPFUSED_INLINE M stat_thread_sum(const M* lanes) {
+  M s = lanes[0];
+  for (int k = 1; k < V; ++k) s = stat_add(s, lanes[k]);
+  return s;
+}
+
+// One level of the pairwise tree over the thread sums: s[j] += s[j + h] for j < h, with h =
+// kStatThreads / 2, ..., 2, 1; s[0] is then the item's sum.  (CUDA runs a level per barrier.)
+template <typename M>
+AMPFUSED_INLINE void stat_tree_level(M* s, int h, int j) {
+  s[j] = stat_add(s[j], s[j + h]);
+}
+template <typename M>
+AMPFUSED_INLINE M stat_tree(M* s) {
+  for (int h = kStatThreads / 2; h > 0; h /= 2) {
+    for (int j = 0; j < h; ++j) stat_tree_level(s, h, j);
+  }
+  return s[0];
+}
+
+// An item's row of grad_stats.
+template <typename M>
+AMPFUSED_INLINE void stat_write_row(double* row, M sum_squares, const StatCounts<M>& c) {
+  row[kStatSumSquares] = static_cast<double>(sum_squares);
+  row[kStatAbsMax] = static_cast<double>(StatBits<M>::value(c.abs_max_bits));
+  row[kStatPosInf] = static_cast<double>(c.pos_inf);
+  row[kStatNegInf] = static_cast<double>(c.neg_inf);
+  row[kStatNaN] = static_cast<double>(c.nan);
+  row[kStatZeros] = static_cast<double>(c.zeros);
+}
 
 // Everything one pass needs, as raw pointers on the pass's device: built by the op kernels
 // (Kernels in unscale.h), read by the CPU loop and passed by value to the CUDA kernel.

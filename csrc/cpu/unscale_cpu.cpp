@@ -8,12 +8,14 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #endif
 #include <type_traits>
 
+#include "launch_table.h"
 #include "unscale.h"
 
 namespace ampfused {
@@ -111,10 +113,168 @@ struct Piece {
   int64_t end;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Passes with statistics (grad_stats): one work item of kChunkSize elements at a time, its row
+// computed whole.  The lanes of unscale_math.h's order are an array (L1-resident, at most 16 KB)
+// that the loop over a run of L elements updates in place, so it vectorizes.
+
+template <typename T, bool kCheckOnly, bool kInvOne>
+AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, double* row) {
+  using M = opmath_t<T>;
+  constexpr int V = kStatVec<T>;
+  constexpr int L = kStatLanes<T>;
+  alignas(64) M lanes[L] = {};
+  StatCounts<M> c;
+  for (int64_t j = 0; j < n; j += L) {
+    T* __restrict q = p + j;
+    const int m = static_cast<int>(std::min<int64_t>(L, n - j));
+    for (int l = 0; l < m; ++l) stat_visit<T, kCheckOnly>(q[l], inv, kInvOne, lanes[l], c);
+  }
+  M s[kStatThreads];
+  for (int t = 0; t < kStatThreads; ++t) s[t] = stat_thread_sum<M, V>(lanes + t * V);
+  stat_write_row(row, stat_tree(s), c);
+  return c.found();
+}
+
+#ifdef AMPFUSED_HAVE_F16C_PATH
+// float16 with statistics, eight elements at a time with F16C (as unscale_half_f16c), the same
+// lanes and fields as stat_visit: the counts on the input's bits, u's zero and abs-max tests on
+// its float bits.  vcvtps2ph rounds as c10::Half does; only a NaN's payload may differ, which no
+// field sees.  The last elements of an item that fill no vector take stat_visit.
+template <bool kCheckOnly>
+__attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t n, float inv,
+                                                          double* row) {
+  constexpr int L = kStatLanes<c10::Half>;
+  alignas(64) float lanes[L] = {};
+  const bool inv_is_one = inv == 1.0f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m128i abs16 = _mm_set1_epi16(0x7fff);
+  const __m128i inf16 = _mm_set1_epi16(static_cast<int16_t>(kHalfExpMask));
+  const __m128i ninf16 = _mm_set1_epi16(static_cast<int16_t>(0xfc00));
+  const __m256i abs32 = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf32 = _mm256_set1_epi32(static_cast<int32_t>(kFloatExpMask));
+  const __m256i zero32 = _mm256_setzero_si256();
+  // Counted by subtracting all-ones masks; 16-bit lanes hold an item's 65536 / 8 at most.
+  __m128i pos = _mm_setzero_si128(), neg = pos, nan = pos;
+  __m256i zeros = zero32, maxbits = zero32;
+  StatCounts<float> c;
+  for (int64_t j = 0; j < n; j += L) {
+    c10::Half* q = p + j;
+    const int m = static_cast<int>(std::min<int64_t>(L, n - j));
+    int l = 0;
+    for (; l + 8 <= m; l += 8) {
+      auto* at = reinterpret_cast<__m128i*>(q + l);
+      const __m128i h = _mm_loadu_si128(at);
+      pos = _mm_sub_epi16(pos, _mm_cmpeq_epi16(h, inf16));
+      neg = _mm_sub_epi16(neg, _mm_cmpeq_epi16(h, ninf16));
+      nan = _mm_sub_epi16(nan, _mm_cmpgt_epi16(_mm_and_si128(h, abs16), inf16));
+      __m256 u = _mm256_cvtph_ps(h);
+      if (!inv_is_one) u = _mm256_mul_ps(u, vinv);
+      if (!kCheckOnly) {
+        const __m128i stored = _mm256_cvtps_ph(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(at, stored);
+        u = _mm256_cvtph_ps(stored);
+      }
+      float* lane = lanes + l;
+      _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), _mm256_mul_ps(u, u)));
+      const __m256i ub = _mm256_and_si256(_mm256_castps_si256(u), abs32);
+      zeros = _mm256_sub_epi32(zeros, _mm256_cmpeq_epi32(ub, zero32));
+      maxbits = _mm256_max_epu32(maxbits, _mm256_and_si256(ub, _mm256_cmpgt_epi32(inf32, ub)));
+    }
+    for (; l < m; ++l) stat_visit<c10::Half, kCheckOnly>(q[l], inv, inv_is_one, lanes[l], c);
+  }
+  alignas(32) uint16_t c16[3][8];
+  alignas(32) uint32_t c32[2][8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(c16[0]), pos);
+  _mm_store_si128(reinterpret_cast<__m128i*>(c16[1]), neg);
+  _mm_store_si128(reinterpret_cast<__m128i*>(c16[2]), nan);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c32[0]), zeros);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c32[1]), maxbits);
+  for (int k = 0; k < 8; ++k) {
+    c.pos_inf += c16[0][k];
+    c.neg_inf += c16[1][k];
+    c.nan += c16[2][k];
+    c.zeros += c32[0][k];
+    c.abs_max_bits = std::max(c.abs_max_bits, c32[1][k]);
+  }
+  float s[kStatThreads];
+  for (int t = 0; t < kStatThreads; ++t) {
+    s[t] = stat_thread_sum<float, kStatVec<c10::Half>>(lanes + t * kStatVec<c10::Half>);
+  }
+  stat_write_row(row, stat_tree(s), c);
+  return c.found();
+}
+#endif
+
+template <typename T>
+AMPFUSED_INLINE bool stats_item_any(T* p, int64_t n, opmath_t<T> inv, bool check_only,
+                                    double* row) {
+#ifdef AMPFUSED_HAVE_F16C_PATH
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (f16c) {
+      return check_only ? stats_half_f16c<true>(p, n, inv, row)
+                        : stats_half_f16c<false>(p, n, inv, row);
+    }
+  }
+#endif
+  if (check_only) {
+    return inv == opmath_t<T>(1) ? stats_item<T, true, true>(p, n, inv, row)
+                                 : stats_item<T, true, false>(p, n, inv, row);
+  }
+  return inv == opmath_t<T>(1) ? stats_item<T, false, true>(p, n, inv, row)
+                               : stats_item<T, false, false>(p, n, inv, row);
+}
+
+AMPFUSED_CPU_CLONES
+bool stats_span(const Span& s, int64_t begin, int64_t end, float inv, bool check_only,
+                double* row) {
+  bool bad = false;
+  const bool known = visit_grad_dtype(s.dtype, [&](auto tag) __attribute__((always_inline)) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(s.data) + begin;
+    bad = stats_item_any(p, end - begin, static_cast<opmath_t<T>>(inv), check_only, row);
+  });
+  TORCH_INTERNAL_ASSERT(known, "ampfused: unexpected dtype ", s.dtype);
+  return bad;
+}
+
+// The pass with statistics: rows 1.. of the table are the items in span order.
+void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
+  const float inv = a.stats_inv_scale();
+  std::vector<Piece> items;
+  int64_t total_bytes = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    total_bytes += spans[i].numel * static_cast<int64_t>(c10::elementSize(spans[i].dtype));
+    for (int64_t b = 0; b < spans[i].numel; b += kChunkSize) {
+      items.push_back({static_cast<int32_t>(i), b, std::min(spans[i].numel, b + kChunkSize)});
+    }
+  }
+  const auto run = [&](int64_t k) {
+    const Piece& pc = items[k];
+    return stats_span(spans[pc.span], pc.begin, pc.end, inv, a.check_only,
+                      a.grad_stats + (1 + k) * kStatFields);
+  };
+  bool found = false;
+  const auto num_items = static_cast<int64_t>(items.size());
+  if (total_bytes < kParallelMinBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    for (int64_t k = 0; k < num_items; ++k) found |= run(k);
+  } else {
+    std::atomic<bool> any{false};
+    at::parallel_for(0, num_items, 1, [&](int64_t b, int64_t e) {
+      bool local = false;
+      for (int64_t k = b; k < e; ++k) local |= run(k);
+      if (local) any.store(true, std::memory_order_relaxed);
+    });
+    found = any.load();
+  }
+  finish_pass(found, a);
+}
+
 }  // namespace
 
 void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const at::Tensor&) {
-  TORCH_CHECK_NOT_IMPLEMENTED(a.grad_stats == nullptr, "grad_stats: not implemented yet");
+  if (a.grad_stats != nullptr) return launch_stats_cpu(spans, a);
   const float inv = a.inv_scale();
   int64_t total_bytes = 0;
   for (const Span& sp : spans)

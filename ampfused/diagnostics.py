@@ -122,7 +122,7 @@ def build_report(
     ``names``/``order`` map id(param) to its watched name and rank."""
     # One device-to-host copy per device: the tables of a device are concatenated there first.
     by_device: dict[torch.device, list[int]] = {}
-    for i, (table, _) in enumerate(passes):
+    for i, (table, _, _) in enumerate(passes):
         by_device.setdefault(table.device, []).append(i)
     host: list[torch.Tensor | None] = [None] * len(passes)
     for idx in by_device.values():

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from benchmarks import (
     bench_counts,
+    bench_diagnostics,
     bench_e2e,
     bench_models,
     bench_sizes,
@@ -31,7 +32,7 @@ from benchmarks.suite import Context, Record
 from benchmarks.timing import FULL_TIMING, QUICK_TIMING, TIMING_MODES, batched
 from benchmarks.workloads import DTYPE_NAMES, MODELS
 
-QUESTIONS = ("step_cost", "models", "counts", "sizes", "e2e")
+QUESTIONS = ("step_cost", "diagnostics", "models", "counts", "sizes", "e2e")
 
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive Python
@@ -39,6 +40,9 @@ loop, ampfused's raw op and (when importable, on GPU) apex, with the memory floo
 the same run.  Questions:
   step_cost  per-step cost on the four gradient sets of the CPU targets (3000 x 16, 1000 x 1K,
              GPT-2 124M, 4 x 16M fp32), checked against the targets
+  diagnostics  the scaler's pass with per-gradient statistics (watch, grad_norms()) vs the
+             plain pass and vs torch's scaler + per-layer norms by hand (GPT-2 124M, 4 x 16M;
+             100 to 3000 tiny tensors for the host cost), checked against the targets
   models     GPT-2 124M, Llama-style 1B (7B on GPU), ResNet-50, BERT-base, ViT-B/16 gradient
              sets x dtypes (fp32, fp16, bf16, mixed) x with/without an injected inf
   counts     1 to 10,000 tensors of 16 and 1024 elements
@@ -127,7 +131,7 @@ def list_everything() -> None:
         )
     print("methods:")
     for m in METHODS.values():
-        print(f"  {m.name:12s} [{m.kind}] {m.description}")
+        print(f"  {m.name:14s} [{m.kind}] {m.description}")
     print("dtypes:", ", ".join(DTYPE_NAMES))
 
 
@@ -246,6 +250,8 @@ def plan_questions(run: Run) -> None:
     args, ctx = run.args, run.ctx
     if "step_cost" in run.questions:
         run.plan["step_cost"] = len(step_cost.WORKLOADS)
+    if "diagnostics" in run.questions:
+        run.plan["diagnostics"] = len(bench_diagnostics.workloads(ctx))
     if "models" in run.questions:
         infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
         run.plan["models"], notes = bench_models.configs(ctx, args.workloads, args.dtypes, infs)
@@ -257,11 +263,18 @@ def plan_questions(run: Run) -> None:
         run.notes += notes
 
 
-def run_step_cost(run: Run) -> None:
-    # More samples than the sweeps (step_cost.TIMING): the targets are stated on these rows.
+def _target_ctx(run: Run) -> Context:
+    # More samples than the sweeps (step_cost.TIMING): targets are stated on these rows.
     timing = step_cost.QUICK_TIMING if run.args.quick else step_cost.TIMING
-    ctx = dataclasses.replace(run.ctx, timing=dataclasses.replace(timing, mode=run.args.timing))
-    run.records += step_cost.measure(ctx)
+    return dataclasses.replace(run.ctx, timing=dataclasses.replace(timing, mode=run.args.timing))
+
+
+def run_step_cost(run: Run) -> None:
+    run.records += step_cost.measure(_target_ctx(run))
+
+
+def run_diagnostics(run: Run) -> None:
+    run.records += bench_diagnostics.run(_target_ctx(run))
 
 
 def run_models(run: Run) -> None:
@@ -289,6 +302,7 @@ def run_e2e(run: Run) -> None:
 
 QUESTION_STEPS = {
     "step_cost": run_step_cost,
+    "diagnostics": run_diagnostics,
     "models": run_models,
     "counts": run_counts,
     "sizes": run_sizes,
@@ -361,12 +375,14 @@ def collect_notes(run: Run) -> None:
 
 
 def judge_targets(run: Run) -> None:
-    """CPU targets from a CPU run's step_cost records (plus the never-slower check), GPU
-    targets from a GPU run."""
+    """CPU targets from a CPU run's step_cost and diagnostics records (plus the never-slower
+    check), GPU targets from a GPU run."""
     if run.gpu:
         run.gpu_t = tg.gpu_targets(run.records, run.e2e)
         return
     cpu_t = tg.cpu_targets(run.records) if "step_cost" in run.questions else None
+    if "diagnostics" in run.questions:
+        cpu_t = (cpu_t or []) + tg.diagnostics_targets(run.records)
     cpu_info = tg.never_slower(run.records) if run.records else None
     if cpu_t is not None and cpu_info is not None:
         cpu_info.name = "(info) never slower than torch"
@@ -377,12 +393,14 @@ def judge_targets(run: Run) -> None:
 def print_console(run: Run) -> None:
     print()
     print(report.header_table(run.hdr, "simple"))
-    for q in ("step_cost", "models", "counts", "sizes"):
+    for q in report.QUESTION_TITLES:
         recs = [r for r in run.records if r.question == q]
         if recs:
             print(f"\n== {report.QUESTION_TITLES[q]} ==")
             if q == "step_cost":
                 print(step_cost.table(recs))
+            elif q == "diagnostics":
+                print(bench_diagnostics.table(recs))
             else:
                 print(report.pivot(recs, run.gpu, "simple"))
     if run.e2e:

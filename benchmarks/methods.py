@@ -5,7 +5,8 @@ Each method is a runner with ``run()`` (the timed work of one optimizer step) an
 many steps are timed; the gradients are restored by the GradSet).  Runners keep the GradSet's own
 gradient lists (not copies): a realloc workload refills them with new tensors at every restore.
 
-scaler kind: ``unscale_(opt); step(opt); update()`` with a no-op optimizer.
+scaler kind: ``unscale_(opt); step(opt); update()`` with a no-op optimizer (the diagnostics
+             methods add per-gradient statistics: in the pass, or by hand as users log norms).
 op kind:     the raw unscale + check + scale-update ops a hand-written scaler would call.
 floor kind:  the memory floor over the same bytes (an in-place multiply; a device copy on GPU).
 """
@@ -71,14 +72,68 @@ class ScalerRunner(Runner):
         self.scaler.update()
 
 
+def _ampfused_cls(gs: GradSet) -> type[torch.amp.GradScaler]:
+    return _AmpfusedScalerAllowFP16 if gs.workload.has(torch.float16) else ampfused.GradScaler
+
+
+def _torch_cls(gs: GradSet) -> type[torch.amp.GradScaler]:
+    return _TorchScalerAllowFP16 if gs.workload.has(torch.float16) else torch.amp.GradScaler
+
+
 def _ampfused_scaler(gs: GradSet) -> Runner:
-    fp16 = gs.workload.has(torch.float16)
-    return ScalerRunner(_AmpfusedScalerAllowFP16 if fp16 else ampfused.GradScaler, gs)
+    return ScalerRunner(_ampfused_cls(gs), gs)
 
 
 def _torch_scaler(gs: GradSet) -> Runner:
-    fp16 = gs.workload.has(torch.float16)
-    return ScalerRunner(_TorchScalerAllowFP16 if fp16 else torch.amp.GradScaler, gs)
+    return ScalerRunner(_torch_cls(gs), gs)
+
+
+# --------------------------------------------------------------------------- diagnostics
+def _names(gs: GradSet) -> list[str]:
+    return [f"param{i}" for i in range(len(gs.params))]
+
+
+class WatchRunner(ScalerRunner):
+    """ampfused.GradScaler after ``watch()`` of every parameter: the same three calls, the pass
+    also recording each gradient's norm, abs-max and inf/NaN/zero counts on the device.  With
+    ``read_norms``, ``grad_norms()`` after ``unscale_`` as a logging hook calls it (one
+    device-to-host copy and the dict of floats built on the host)."""
+
+    def __init__(self, gs: GradSet, read_norms: bool = False) -> None:
+        super().__init__(_ampfused_cls(gs), gs)
+        self.scaler.watch(list(zip(_names(gs), gs.params, strict=True)))
+        self.read_norms = read_norms
+        self.logged: dict[str, float] = {}
+
+    def run(self) -> None:
+        self.scaler.unscale_(self.optimizer)
+        if self.read_norms:
+            self.logged = self.scaler.grad_norms()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+class TorchNormsRunner(ScalerRunner):
+    """What users log today (Lightning's ``grad_norm``, the usual per-layer loop): after torch's
+    ``unscale_``, one ``torch._foreach_norm`` pass (fp32 results, as ampfused's), the total norm,
+    and a ``.item()`` per layer and one for the total, into the same dict ``grad_norms()``
+    returns."""
+
+    def __init__(self, gs: GradSet) -> None:
+        super().__init__(_torch_cls(gs), gs)
+        self.grads = gs.grads
+        self.keys = [f"grad_2.0_norm/{n}" for n in _names(gs)]
+        self.logged: dict[str, float] = {}
+
+    def run(self) -> None:
+        self.scaler.unscale_(self.optimizer)
+        norms = torch._foreach_norm(self.grads, 2, dtype=torch.float32)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        logged = {k: n.item() for k, n in zip(self.keys, norms, strict=True)}
+        logged["grad_2.0_norm_total"] = total.item()
+        self.logged = logged
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
 
 # --------------------------------------------------------------------------- raw ops
@@ -225,6 +280,9 @@ class Method:
     present: Callable[[torch.device], bool] = lambda d: True
     # On CPU, skipped for larger gradient sets (a quarter of this with --quick): time budget.
     max_cpu_bytes: int | None = None
+    # Run by the questions when no --methods is given (the diagnostics methods are not: the
+    # diagnostics question runs them, --methods adds them elsewhere).
+    default: bool = True
 
 
 def _torch_na(w: Workload, d: torch.device) -> str | None:
@@ -263,6 +321,35 @@ METHODS: dict[str, Method] = {
             "torch.amp.GradScaler: unscale_ + step + update, no-op optimizer",
             _torch_scaler,
             _torch_na,
+        ),
+        Method(
+            "ampfused-watch",
+            "ampfused.GradScaler, watched",
+            "scaler",
+            "ampfused.GradScaler after watch(parameters): unscale_ + step + update, the pass also "
+            "recording per-gradient norm, abs-max, inf/NaN/zero counts on the device",
+            WatchRunner,
+            _ampfused_na,
+            default=False,
+        ),
+        Method(
+            "ampfused-norms",
+            "ampfused.GradScaler, watched + grad_norms()",
+            "scaler",
+            "ampfused-watch plus scaler.grad_norms() after unscale_ (one sync, dict of floats)",
+            lambda gs: WatchRunner(gs, read_norms=True),
+            _ampfused_na,
+            default=False,
+        ),
+        Method(
+            "torch-norms",
+            "torch.amp.GradScaler + per-layer norms",
+            "scaler",
+            "torch.amp.GradScaler: unscale_, torch._foreach_norm, .item() per layer and total, "
+            "step + update",
+            TorchNormsRunner,
+            _torch_na,
+            default=False,
         ),
         Method(
             "ampfused-op",
@@ -319,7 +406,8 @@ FLOORS = tuple(n for n, m in METHODS.items() if m.kind == "floor")
 
 
 def select(names: list[str] | None, device: torch.device) -> list[Method]:
-    """The methods to run: ``names`` (or all compared ones), plus every floor, present ones only."""
-    wanted = list(names) if names else list(COMPARED)
+    """The methods to run: ``names`` (or the default compared ones), plus every floor, present
+    ones only."""
+    wanted = list(names) if names else [n for n in COMPARED if METHODS[n].default]
     wanted += [f for f in FLOORS if f not in wanted]
     return [METHODS[n] for n in wanted if METHODS[n].present(device)]

@@ -1,5 +1,6 @@
 """Per-step op counts from ``torch.profiler``: kernel launches and host syncs on a GPU; on CPU
-the dispatcher ops and the ``.item()`` calls (each one a blocking host sync on a GPU).
+the dispatcher ops and the ``.item()`` calls (each one a blocking host sync on a GPU).  And
+(:func:`python_bytecodes`) the Python bytecode instructions a step executes.
 
 All methods of a workload are profiled in one session (starting a profiler costs a fraction of
 a second), one step each inside a ``record_function`` marker; events are attributed to the
@@ -8,7 +9,10 @@ marker whose time range holds them on the same thread.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -78,4 +82,35 @@ def count(gs: GradSet, runners: dict[str, Runner]) -> dict[str, OpCounts]:
             c.launches = sum(1 for e in inside if e.name in _LAUNCH)
             c.syncs = sum(1 for e in inside if e.name in _SYNC)
         out[name] = c
+    return out
+
+
+def python_bytecodes(gs: GradSet, runners: dict[str, Runner]) -> dict[str, int]:
+    """Python bytecode instructions one step of each runner executes (each after an untraced
+    restore and reset), in every Python frame the step enters: its Python cost in a unit that
+    has no timing noise.  A count that grows with the number of gradients is per-parameter host
+    work; C++ loops (the fused pass, foreach kernels) do not count."""
+    out: dict[str, int] = {}
+    for name, runner in runners.items():
+        gs.restore()
+        runner.reset()
+        executed = 0
+
+        def local(frame: FrameType, event: str, arg: object) -> Callable | None:
+            nonlocal executed
+            if event == "opcode":
+                executed += 1
+            return local
+
+        def on_call(frame: FrameType, event: str, arg: object) -> Callable | None:
+            frame.f_trace_opcodes = True
+            return local
+
+        previous = sys.gettrace()
+        sys.settrace(on_call)
+        try:
+            runner.run()
+        finally:
+            sys.settrace(previous)
+        out[name] = executed
     return out

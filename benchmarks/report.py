@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from benchmarks import bench_diagnostics  # noqa: E402
 from benchmarks.fmt import fmt_bytes, fmt_gbps, fmt_time, fmt_x  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.suite import Record  # noqa: E402
@@ -22,6 +23,9 @@ from benchmarks.targets import TargetResult  # noqa: E402
 COLORS = {
     "ampfused": "tab:blue",
     "torch": "tab:red",
+    "ampfused-watch": "tab:olive",
+    "ampfused-norms": "tab:brown",
+    "torch-norms": "tab:pink",
     "ampfused-op": "tab:cyan",
     "torch-ops": "tab:orange",
     "naive": "tab:gray",
@@ -31,6 +35,7 @@ COLORS = {
 }
 QUESTION_TITLES = {
     "step_cost": "Per-step scaler cost on the target gradient sets",
+    "diagnostics": "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
     "models": "Model gradient sets",
     "counts": "Tensor-count sweep",
     "sizes": "Tensor-size sweep (8 tensors per size)",
@@ -132,6 +137,9 @@ def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
             headers += ["restore device", "spin overruns"]
     else:
         headers += ["ops", "item()"]
+    code = any(r.py_bytecodes is not None for r in records)
+    if code:
+        headers += ["Python bytecodes"]
     headers += ["speedup vs torch", "note"]
     rows = []
     for r in records:
@@ -165,6 +173,8 @@ def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
                 ]
         else:
             row += ["-" if r.ops is None else r.ops, "-" if r.items is None else r.items]
+        if code:
+            row += ["-" if r.py_bytecodes is None else r.py_bytecodes]
         row += [fmt_x(r.speedup_vs_torch, 1), r.note]
         rows.append(row)
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
@@ -461,14 +471,17 @@ def markdown(
         md.append(targets_table(gpu_targets, "github") + "\n")
     elif not gpu:
         md.append(f"GPU targets: see [{gpu_targets_link}]({gpu_targets_link}).\n")
-    for q in ("step_cost", "models", "counts", "sizes"):
+    for q in QUESTION_TITLES:
         recs = [r for r in records if r.question == q]
         if not recs:
             continue
         md.append(f"## {QUESTION_TITLES[q]}\n")
         if q in plots:
             md.append(f"![{q}]({plots[q].name})\n")
-        md.append(pivot(recs, gpu, "github") + "\n")
+        if q == "diagnostics":
+            md.append(bench_diagnostics.table(recs, "github") + "\n")
+        else:
+            md.append(pivot(recs, gpu, "github") + "\n")
     if e2e:
         md.append("## End-to-end: small GPT, float16 autocast, each scaler\n")
         cfg = e2e["config"]
@@ -495,7 +508,7 @@ def markdown(
     md += [f"- **{m.name}** ({m.label}): {m.description}" for m in METHODS.values()]
     md.append("")
     md.append("## All records\n")
-    for q in ("step_cost", "models", "counts", "sizes"):
+    for q in QUESTION_TITLES:
         recs = [r for r in records if r.question == q]
         if recs:
             md.append(f"### {q}\n")

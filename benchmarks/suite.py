@@ -91,6 +91,7 @@ class Record:
     items: int | None = None
     launches: int | None = None
     syncs: int | None = None
+    py_bytecodes: int | None = None  # Python bytecode instructions one step executes
 
     @property
     def ok(self) -> bool:
@@ -145,10 +146,15 @@ def _base(question: str, w: Workload, m: Method) -> Record:
 
 
 def run_workload(
-    ctx: Context, question: str, w: Workload, methods: list[Method] | None = None
+    ctx: Context,
+    question: str,
+    w: Workload,
+    methods: list[Method] | None = None,
+    python_cost: bool = False,
 ) -> list[Record]:
     """Builds ``w`` on the device, times ``methods`` (default: the context's) interleaved,
-    counts their ops, and derives GB/s, ratio to the floors and speedup over torch."""
+    counts their ops (and, with ``python_cost``, the Python bytecodes of one step), and derives
+    GB/s, ratio to the floors and speedup over torch."""
     methods = methods if methods is not None else ctx.methods
     t0 = time.perf_counter()
     records = {m.name: _base(question, w, m) for m in methods}
@@ -194,6 +200,10 @@ def run_workload(
         for name, c in counts.items():
             rec = records[name]
             rec.ops, rec.items, rec.launches, rec.syncs = c.ops, c.items, c.launches, c.syncs
+    if python_cost:
+        ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
+        for name, n in profiling.python_bytecodes(gs, ok).items():
+            records[name].py_bytecodes = n
     gs.release()
     del gs, runners
     gc.collect()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks import bench_diagnostics
 from benchmarks.suite import Record
 
 
@@ -24,7 +25,12 @@ class TargetResult:
 
 
 def _get(
-    records: list[Record], question: str, workload: str, method: str, realloc: bool = False
+    records: list[Record],
+    question: str,
+    workload: str,
+    method: str,
+    realloc: bool = False,
+    dtype: str = "fp32",
 ) -> Record | None:
     for r in records:
         if (
@@ -32,6 +38,7 @@ def _get(
             and r.workload == workload
             and r.method == method
             and r.realloc == realloc
+            and r.dtype == dtype
             and r.ok
         ):
             return r
@@ -75,6 +82,61 @@ def cpu_targets(records: list[Record]) -> list[TargetResult]:
             )
         )
     return out
+
+
+def diagnostics_targets(records: list[Record]) -> list[TargetResult]:
+    """The issue's cost of the statistics, from the diagnostics question's records: the watched
+    pass within 1.15x of the plain one (GPT-2 124M, 4 x 16M, fp32), torch's per-layer logging
+    beside it, and no per-parameter Python work (bytecodes of a watched step flat in the count)."""
+    q = bench_diagnostics.QUESTION
+    bound = bench_diagnostics.RATIO_BOUND
+    out: list[TargetResult] = []
+    for w in bench_diagnostics.BOUND_WORKLOADS:
+        a, watched, norms, tn = (
+            _get(records, q, w.name, m)
+            for m in ("ampfused", "ampfused-watch", "ampfused-norms", "torch-norms")
+        )
+        name = f"diagnostics {w.name} fp32"
+        req = f"watched pass (per-gradient statistics) <= {bound:g}x the plain ampfused pass"
+        if a is None or watched is None:
+            out.append(TargetResult(name, req, "-", None, "not measured in this run"))
+            continue
+        ratio = watched.median_s / a.median_s  # type: ignore[operator]
+        detail = f"ampfused {a.median_s * 1e3:.2f} ms, watched {watched.median_s * 1e3:.2f} ms"  # type: ignore[operator]
+        for label, x, y in (
+            ("torch + per-layer norms / watched", tn, watched),
+            ("/ watched + grad_norms()", tn, norms),
+        ):
+            if x is not None and y is not None:
+                detail += f"; {label} {x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
+        out.append(TargetResult(name, req, f"{ratio:.3f}x", ratio <= bound, detail))
+    out.append(_flat_host_cost(records))
+    return out
+
+
+def _flat_host_cost(records: list[Record]) -> TargetResult:
+    """Python bytecodes per watched step at 100..3000 tensors: a per-parameter Python loop adds
+    several per parameter; allowed is less than one per ten parameters added."""
+    q = bench_diagnostics.QUESTION
+    req = "no per-parameter host work: Python bytecodes of a watched step flat in the tensor count"
+    name = "diagnostics host cost"
+    rows = []
+    for n in bench_diagnostics.COUNTS:
+        w = bench_diagnostics.count_workload(n).name
+        rows.append((n, _get(records, q, w, "ampfused-watch"), _get(records, q, w, "ampfused")))
+    have = [(n, w, a) for n, w, a in rows if w is not None and w.py_bytecodes is not None]
+    if len(have) < 2:
+        return TargetResult(name, req, "-", None, "not measured in this run")
+    (n0, w0, _), (n1, w1, _) = have[0], have[-1]
+    growth = (w1.py_bytecodes - w0.py_bytecodes) / (n1 - n0)  # type: ignore[operator]
+    value = " / ".join(str(w.py_bytecodes) for _, w, _ in have)
+    detail = f"at {' / '.join(str(n) for n, _, _ in have)} x {bench_diagnostics.COUNT_NUMEL}"
+    detail += f" ({growth:+.3f} per added tensor); watched / plain time "
+    detail += " / ".join(
+        f"{w.median_s / a.median_s:.2f}x" if a is not None else "-"  # type: ignore[operator]
+        for _, w, a in have
+    )
+    return TargetResult(name, req, value, abs(growth) < 0.1, detail)
 
 
 def slower_than_torch(records: list[Record]) -> list[Record]:

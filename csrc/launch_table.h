@@ -49,6 +49,7 @@ class LaunchPlanner {
   // dtype can take a kernel compiled for it alone.
   c10::ScalarType uniform_dtype() const { return uniform_; }
   bool done() const { return handed_out_ == total_ && started_; }
+  int64_t handed_out() const { return handed_out_; }  // items filled so far
   int64_t next_capacity() const;
   // Writes the next min(capacity, remaining) items to `out` and returns their count.
   int64_t fill(WorkItem* out, int64_t capacity);

@@ -344,23 +344,47 @@ struct StatCounts {
   B nan = 0;
   B zeros = 0;
   B abs_max_bits = 0;  // max |u| over the finite u, as bits
+  B any_max_bits = 0;  // max |u| over all u, as bits (stat_visit without kCountInputs)
   AMPFUSED_INLINE bool found() const { return (pos_inf | neg_inf | nan) != 0; }
+  // Whether some u since any_max_bits was zeroed was inf/NaN.
+  AMPFUSED_INLINE bool any_non_finite_u() const { return any_max_bits >= StatBits<M>::kInf; }
 };
+
+// Counts v as an input element (+inf, -inf, NaN).
+template <typename M>
+AMPFUSED_INLINE void stat_count_input(M v, StatCounts<M>& c) {
+  using SB = StatBits<M>;
+  const typename SB::type vb = SB::of(v);
+  c.pos_inf += vb == SB::kInf;
+  c.neg_inf += vb == (SB::kInf | SB::kSign);
+  c.nan += (vb & ~SB::kSign) > SB::kInf;
+}
+
+// Whether, in a writing pass, each stored u is inf/NaN exactly when its input v was, of the same
+// class (+inf, -inf, NaN): so with 0 < inv <= 1 (scale >= 1) the inputs can be counted from
+// the stored values afterwards.  A finite v gives |v * inv| <= |v|, which rounds (in opmath,
+// then to the storage type, which holds v) to a finite value; inf * inv is inf of the same sign
+// and NaN stays NaN.  With inv > 1 a finite v can overflow, with inv == 0 an inf becomes NaN.
+template <typename M>
+AMPFUSED_INLINE bool inputs_countable_after_write(M inv) {
+  return inv > M(0) && inv <= M(1);
+}
 
 // One element with statistics: x as visit() leaves it, its square added to `lane`, the counts
 // of its input and of u (StatField).  u is the value a writing pass stores, read back in
-// opmath; a check-only pass writes nothing and u is v * inv in opmath.
-template <typename T, bool kCheckOnly>
+// opmath; a check-only pass writes nothing and u is v * inv in opmath.  Without kCountInputs
+// the input is not classified; any_max_bits tells whether some u was inf/NaN, which every
+// non-finite v makes it, so a caller can count the inputs of such a run afterwards (the CPU
+// loop: in a check-only pass from x, in a writing pass from the stored values where
+// inputs_countable_after_write).
+template <typename T, bool kCheckOnly, bool kCountInputs = true>
 AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t<T>& lane,
                                 StatCounts<opmath_t<T>>& c) {
   using M = opmath_t<T>;
   using SB = StatBits<M>;
   using B = typename SB::type;
   const M v = to_opmath(x);
-  const B vb = SB::of(v);
-  c.pos_inf += vb == SB::kInf;
-  c.neg_inf += vb == (SB::kInf | SB::kSign);
-  c.nan += (vb & ~SB::kSign) > SB::kInf;
+  if (kCountInputs) stat_count_input(v, c);
   M u = unscaled(v, inv, inv_is_one);
   if (!kCheckOnly) {
     x = to_storage<T>(u);
@@ -372,6 +396,7 @@ AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t
   // A mask, not a select: GCC vectorizes the max reduction of this form only.
   const B finite_abs = ub & (B{0} - static_cast<B>(ub < SB::kInf));
   c.abs_max_bits = c.abs_max_bits > finite_abs ? c.abs_max_bits : finite_abs;
+  if (!kCountInputs) c.any_max_bits = c.any_max_bits > ub ? c.any_max_bits : ub;
 }
 
 // Thread t's sum: its V lanes in order.

@@ -134,9 +134,12 @@ def test_scale_one(device, dtype):
     assert torch.equal(g, before)  # inv == 1: written back unmultiplied
 
 
+# scale 0.25 (inv 4 > 1): a finite input can overflow, so the CPU counts inputs in its loop
+# instead of from the stored values (inputs_countable_after_write).
+@pytest.mark.parametrize("scale", [SCALE, 0.25])
 @pytest.mark.parametrize("check_only", [False, True], ids=["write", "check_only"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_finite_counts(device, dtype, check_only):
+def test_non_finite_counts(device, dtype, check_only, scale):
     n = 3 * 65536 + 7
     grads = [_values(n, dtype, s).to(device) for s in range(4)] + [
         _values(300, dtype, 9).to(device)
@@ -153,7 +156,8 @@ def test_non_finite_counts(device, dtype, check_only):
     # Values of zero in the input and u that underflow count as zeros.
     grads[1][:1000] = 0.0
     grads[1][1000] = -0.0
-    table = _check(grads, check_only=check_only)
+    grads[3][7] = torch.finfo(dtype).max / 2  # finite; overflows (u = inf) when inv = 4
+    table = _check(grads, scale=scale, check_only=check_only)
     per, total = _C.reduce_grad_stats(table[1:], [g.numel() for g in grads])
     for t in range(len(grads)):
         vals = list(inject.get(t, {}).values())

@@ -118,7 +118,16 @@ struct Piece {
 // computed whole.  The lanes of unscale_math.h's order are an array (L1-resident, at most 16 KB)
 // that the loop over a run of L elements updates in place, so it vectorizes.
 
-template <typename T, bool kCheckOnly, bool kInvOne>
+// Inputs are counted in a second look at a run of L elements, only where one of its u was
+// inf/NaN (rare): from x itself in a check-only pass, from the stored values in a writing pass
+// where that gives the same counts (inputs_countable_after_write); otherwise (kCountInputs) in
+// the loop.
+template <typename T>
+AMPFUSED_INLINE void count_inputs_of_run(const T* q, int m, StatCounts<opmath_t<T>>& c) {
+  for (int l = 0; l < m; ++l) stat_count_input(to_opmath(q[l]), c);
+}
+
+template <typename T, bool kCheckOnly, bool kInvOne, bool kCountInputs>
 AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, double* row) {
   using M = opmath_t<T>;
   constexpr int V = kStatVec<T>;
@@ -128,7 +137,11 @@ AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, dou
   for (int64_t j = 0; j < n; j += L) {
     T* __restrict q = p + j;
     const int m = static_cast<int>(std::min<int64_t>(L, n - j));
-    for (int l = 0; l < m; ++l) stat_visit<T, kCheckOnly>(q[l], inv, kInvOne, lanes[l], c);
+    c.any_max_bits = 0;
+    for (int l = 0; l < m; ++l) {
+      stat_visit<T, kCheckOnly, kCountInputs>(q[l], inv, kInvOne, lanes[l], c);
+    }
+    if (!kCountInputs && c.any_non_finite_u()) count_inputs_of_run(q, m, c);
   }
   M s[kStatThreads];
   for (int t = 0; t < kStatThreads; ++t) s[t] = stat_thread_sum<M, V>(lanes + t * V);
@@ -141,7 +154,7 @@ AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, dou
 // lanes and fields as stat_visit: the counts on the input's bits, u's zero and abs-max tests on
 // its float bits.  vcvtps2ph rounds as c10::Half does; only a NaN's payload may differ, which no
 // field sees.  The last elements of an item that fill no vector take stat_visit.
-template <bool kCheckOnly>
+template <bool kCheckOnly, bool kCountInputs>
 __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t n, float inv,
                                                           double* row) {
   constexpr int L = kStatLanes<c10::Half>;
@@ -161,13 +174,17 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
   for (int64_t j = 0; j < n; j += L) {
     c10::Half* q = p + j;
     const int m = static_cast<int>(std::min<int64_t>(L, n - j));
+    __m256i any_max = zero32;
+    c.any_max_bits = 0;
     int l = 0;
     for (; l + 8 <= m; l += 8) {
       auto* at = reinterpret_cast<__m128i*>(q + l);
       const __m128i h = _mm_loadu_si128(at);
-      pos = _mm_sub_epi16(pos, _mm_cmpeq_epi16(h, inf16));
-      neg = _mm_sub_epi16(neg, _mm_cmpeq_epi16(h, ninf16));
-      nan = _mm_sub_epi16(nan, _mm_cmpgt_epi16(_mm_and_si128(h, abs16), inf16));
+      if (kCountInputs) {
+        pos = _mm_sub_epi16(pos, _mm_cmpeq_epi16(h, inf16));
+        neg = _mm_sub_epi16(neg, _mm_cmpeq_epi16(h, ninf16));
+        nan = _mm_sub_epi16(nan, _mm_cmpgt_epi16(_mm_and_si128(h, abs16), inf16));
+      }
       __m256 u = _mm256_cvtph_ps(h);
       if (!inv_is_one) u = _mm256_mul_ps(u, vinv);
       if (!kCheckOnly) {
@@ -180,8 +197,17 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
       const __m256i ub = _mm256_and_si256(_mm256_castps_si256(u), abs32);
       zeros = _mm256_sub_epi32(zeros, _mm256_cmpeq_epi32(ub, zero32));
       maxbits = _mm256_max_epu32(maxbits, _mm256_and_si256(ub, _mm256_cmpgt_epi32(inf32, ub)));
+      if (!kCountInputs) any_max = _mm256_max_epu32(any_max, ub);
     }
-    for (; l < m; ++l) stat_visit<c10::Half, kCheckOnly>(q[l], inv, inv_is_one, lanes[l], c);
+    for (; l < m; ++l) {
+      stat_visit<c10::Half, kCheckOnly, kCountInputs>(q[l], inv, inv_is_one, lanes[l], c);
+    }
+    if (!kCountInputs) {
+      alignas(32) uint32_t am[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(am), any_max);
+      for (int k = 0; k < 8; ++k) c.any_max_bits = std::max(c.any_max_bits, am[k]);
+      if (c.any_non_finite_u()) count_inputs_of_run(q, m, c);
+    }
   }
   alignas(32) uint16_t c16[3][8];
   alignas(32) uint32_t c32[2][8];
@@ -213,17 +239,19 @@ AMPFUSED_INLINE bool stats_item_any(T* p, int64_t n, opmath_t<T> inv, bool check
   if constexpr (std::is_same_v<T, c10::Half>) {
     static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     if (f16c) {
-      return check_only ? stats_half_f16c<true>(p, n, inv, row)
-                        : stats_half_f16c<false>(p, n, inv, row);
+      if (check_only) return stats_half_f16c<true, false>(p, n, inv, row);
+      return inputs_countable_after_write(inv) ? stats_half_f16c<false, false>(p, n, inv, row)
+                                               : stats_half_f16c<false, true>(p, n, inv, row);
     }
   }
 #endif
   if (check_only) {
-    return inv == opmath_t<T>(1) ? stats_item<T, true, true>(p, n, inv, row)
-                                 : stats_item<T, true, false>(p, n, inv, row);
+    return inv == opmath_t<T>(1) ? stats_item<T, true, true, false>(p, n, inv, row)
+                                 : stats_item<T, true, false, false>(p, n, inv, row);
   }
-  return inv == opmath_t<T>(1) ? stats_item<T, false, true>(p, n, inv, row)
-                               : stats_item<T, false, false>(p, n, inv, row);
+  if (inv == opmath_t<T>(1)) return stats_item<T, false, true, false>(p, n, inv, row);
+  return inputs_countable_after_write(inv) ? stats_item<T, false, false, false>(p, n, inv, row)
+                                           : stats_item<T, false, false, true>(p, n, inv, row);
 }
 
 AMPFUSED_CPU_CLONES

@@ -48,7 +48,8 @@ enum class Epilogue : int32_t {
 template <typename Pass, int64_t kCapacity>
 struct LaunchArgs {
   Pass pass;
-  int* workspace;  // kWorkspaceInts zeros on entry to a pass, left zero by its kFinish launch
+  int* workspace;      // kWorkspaceInts zeros on entry to a pass, left zero by its kFinish launch
+  int64_t first_item;  // the pass's index of items[0] (its grad_stats row is 1 + first_item)
   int32_t num_items;
   Epilogue epilogue;
   WorkItem items[kCapacity];

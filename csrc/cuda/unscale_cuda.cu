@@ -10,6 +10,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <type_traits>
+
 #include "cuda/multi_tensor_apply.cuh"
 #include "unscale.h"
 
@@ -65,6 +67,98 @@ __device__ bool process_chunk(T* p, int n, opmath_t<T> inv, bool inv_is_one) {
   return bad;
 }
 
+// An item with statistics (grad_stats): the elements as process_chunk visits them, plus the
+// item's row.  Thread t owns lanes t*V .. t*V+V-1 of unscale_math.h's order, which are exactly
+// its 16-byte vectors i = t, t + kBlockSize, ... of an aligned item; a misaligned item takes
+// scalar loads with the same assignment (no head peel, which would move the lanes).
+static_assert(kBlockSize == kStatThreads && kVecBytes == kStatVecBytes,
+              "grad_stats' summation order assumes one lane group per thread and 16-byte vectors");
+
+template <typename T, bool kCheckOnly>
+__device__ bool process_chunk_stats(T* p, int n, opmath_t<T> inv, bool inv_is_one, double* row) {
+  using M = opmath_t<T>;
+  using B = typename StatBits<M>::type;
+  constexpr int kVec = kStatVec<T>;
+  using V = Vec<T, kVec>;
+  __builtin_assume(__isGlobal(p));
+  const int tid = static_cast<int>(threadIdx.x);
+  M lanes[kVec] = {};
+  StatCounts<M> c;
+  const int nfull = n / kVec;
+  if (reinterpret_cast<uintptr_t>(p) % kVecBytes == 0) {
+    V* vp = reinterpret_cast<V*>(p);
+    // Increasing u is increasing i for this thread: each lane still adds in element order.
+    for (int base = tid; base < nfull; base += kBlockSize * kUnroll) {
+      V r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * kBlockSize;
+        if (i < nfull) r[u] = vp[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * kBlockSize;
+        if (i < nfull) {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            stat_visit<T, kCheckOnly>(r[u].v[k], inv, inv_is_one, lanes[k], c);
+          }
+          if (!kCheckOnly) vp[i] = r[u];
+        }
+      }
+    }
+  } else {
+    for (int i = tid; i < nfull; i += kBlockSize) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        stat_visit<T, kCheckOnly>(p[i * kVec + k], inv, inv_is_one, lanes[k], c);
+      }
+    }
+  }
+  // The partial last vector belongs to the thread whose lanes it maps to, after its others.
+  if (nfull * kVec < n && tid == nfull % kBlockSize) {
+    for (int k = 0; nfull * kVec + k < n; ++k) {
+      stat_visit<T, kCheckOnly>(p[nfull * kVec + k], inv, inv_is_one, lanes[k], c);
+    }
+  }
+  const bool bad = c.found();
+
+  // The sum in the tree order; the counts and the abs-max in any order (integers).
+  __shared__ M sums[kStatThreads];
+  __shared__ B warp_fields[kStatThreads / 32][5];
+  sums[tid] = stat_thread_sum<M, kVec>(lanes);
+  B f[5] = {c.pos_inf, c.neg_inf, c.nan, c.zeros, c.abs_max_bits};
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) f[j] += __shfl_xor_sync(0xffffffffu, f[j], off);
+    const B other = __shfl_xor_sync(0xffffffffu, f[4], off);
+    f[4] = f[4] > other ? f[4] : other;
+  }
+  if (tid % 32 == 0) {
+#pragma unroll
+    for (int j = 0; j < 5; ++j) warp_fields[tid / 32][j] = f[j];
+  }
+  __syncthreads();
+  for (int h = kStatThreads / 2; h > 0; h /= 2) {
+    if (tid < h) stat_tree_level(sums, h, tid);
+    __syncthreads();
+  }
+  if (tid == 0) {
+    StatCounts<M> total;
+    for (int w = 0; w < kStatThreads / 32; ++w) {
+      total.pos_inf += warp_fields[w][0];
+      total.neg_inf += warp_fields[w][1];
+      total.nan += warp_fields[w][2];
+      total.zeros += warp_fields[w][3];
+      if (warp_fields[w][4] > total.abs_max_bits) total.abs_max_bits = warp_fields[w][4];
+    }
+    stat_write_row(row, sums[0], total);
+  }
+  __syncthreads();  // the next item reuses the shared arrays
+  return bad;
+}
+
 template <int64_t kCapacity>
 using KernelArgs = LaunchArgs<PassParams, kCapacity>;
 
@@ -74,10 +168,13 @@ using KernelArgs = LaunchArgs<PassParams, kCapacity>;
 // it asks for two blocks per SM: 50%, twice the bytes in flight, same per-element code.
 constexpr int kFloatOnlyMinBlocks = 2;
 
-template <bool kCheckOnly, bool kFloatOnly, int64_t kCapacity>
-__global__ void __launch_bounds__(kBlockSize, kFloatOnly ? kFloatOnlyMinBlocks : 1)
+// kStats: the pass fills grad_stats (item rows from k.first_item on); a statistics-free pass
+// compiles to the kernel it was before statistics existed.
+template <bool kCheckOnly, bool kFloatOnly, bool kStats, int64_t kCapacity>
+__global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnlyMinBlocks : 1)
     unscale_kernel(const __grid_constant__ KernelArgs<kCapacity> k) {
-  const float inv = k.pass.inv_scale();
+  // In a check-only pass visit() ignores inv; the statistics still see unscaled values.
+  const float inv = kStats ? k.pass.stats_inv_scale() : k.pass.inv_scale();
   const bool inv_is_one = inv == 1.0f;
   bool bad = false;
   const int stride = static_cast<int>(gridDim.x);
@@ -89,7 +186,17 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly ? kFloatOnlyMinBlocks :
   for (; c < k.num_items; c += stride) {
     const WorkItem w = next;
     if (c + stride < k.num_items) next = k.items[c + stride];
-    if constexpr (kFloatOnly) {
+    if constexpr (kStats) {
+      double* row = k.pass.grad_stats + (1 + k.first_item + c) * kStatFields;
+      visit_grad_dtype(static_cast<c10::ScalarType>(w.dtype), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        if constexpr (!kFloatOnly || std::is_same_v<T, float>) {
+          bad |=
+              process_chunk_stats<T, kCheckOnly>(static_cast<T*>(w.data), static_cast<int>(w.numel),
+                                                 static_cast<opmath_t<T>>(inv), inv_is_one, row);
+        }
+      });
+    } else if constexpr (kFloatOnly) {
       bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(w.data),
                                               static_cast<int>(w.numel), inv, inv_is_one);
     } else {
@@ -131,10 +238,18 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly ? kFloatOnlyMinBlocks :
   }
 }
 
-template <bool kCheckOnly, bool kFloatOnly, int64_t kCapacity>
-void launch(const KernelArgs<kCapacity>& k, int device, cudaStream_t stream) {
-  constexpr auto kernel = unscale_kernel<kCheckOnly, kFloatOnly, kCapacity>;
-  kernel<<<grid_size(k.num_items, resident_blocks<kernel>(device)), kBlockSize, 0, stream>>>(k);
+template <auto kKernel, int64_t kCapacity>
+void launch_kernel(const KernelArgs<kCapacity>& k, int device, cudaStream_t stream) {
+  kKernel<<<grid_size(k.num_items, resident_blocks<kKernel>(device)), kBlockSize, 0, stream>>>(k);
+}
+
+template <bool kCheckOnly, bool kStats, int64_t kCapacity>
+void launch(const KernelArgs<kCapacity>& k, bool float_only, int device, cudaStream_t stream) {
+  if (float_only) {
+    launch_kernel<unscale_kernel<kCheckOnly, true, kStats, kCapacity>>(k, device, stream);
+  } else {
+    launch_kernel<unscale_kernel<kCheckOnly, false, kStats, kCapacity>>(k, device, stream);
+  }
 }
 
 // One launch: the next items of `plan`, as many as the class kCapacity holds.
@@ -146,14 +261,18 @@ void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, in
   KernelArgs<kCapacity> k;  // items past num_items stay unset: the kernel never reads them
   k.pass = pass;
   k.workspace = workspace;
+  k.first_item = plan.handed_out();
   k.num_items = static_cast<int32_t>(plan.fill(k.items, kCapacity));
   k.epilogue =
       !hand_off ? Epilogue::kSetFlag : (plan.done() ? Epilogue::kFinish : Epilogue::kAccumulate);
   const bool float_only = plan.uniform_dtype() == c10::ScalarType::Float;
+  const bool stats = pass.grad_stats != nullptr;
   if (pass.check_only) {
-    float_only ? launch<true, true>(k, device, stream) : launch<true, false>(k, device, stream);
+    stats ? launch<true, true>(k, float_only, device, stream)
+          : launch<true, false>(k, float_only, device, stream);
   } else {
-    float_only ? launch<false, true>(k, device, stream) : launch<false, false>(k, device, stream);
+    stats ? launch<false, true>(k, float_only, device, stream)
+          : launch<false, false>(k, float_only, device, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -166,8 +285,8 @@ void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
   const c10::cuda::CUDAGuard guard(any_device_tensor.device());
   const int device = any_device_tensor.get_device();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
-  // Overwriting found_inf or updating the scale needs the whole pass's result in one place.
-  TORCH_CHECK_NOT_IMPLEMENTED(args.grad_stats == nullptr, "grad_stats: not implemented yet");
+  // Overwriting found_inf, updating the scale or the stats header needs the whole pass's result
+  // in one place.
   const bool hand_off = args.needs_whole_pass();
   LaunchPlanner plan(spans);
   if (plan.total_items() == 0 && !hand_off) return;  // nothing to visit, nothing to write

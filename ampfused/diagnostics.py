@@ -9,7 +9,6 @@ building one copies every table to the host (one copy per device) and reduces it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -107,9 +106,66 @@ class StepReport:
 
 def _norm(sum_squares: float) -> float:
     """float32(sqrt(sum)): the norm from a float64 sum of squares (inf and NaN pass through)."""
-    if not math.isfinite(sum_squares):
-        return sum_squares
-    return float(torch.tensor(math.sqrt(sum_squares), dtype=torch.float32))
+    return float(torch.tensor(sum_squares, dtype=torch.float64).sqrt().float())
+
+
+class _Reduced:
+    """The iteration's tables reduced per gradient, in report order (see build_report): the
+    per-parameter work is a name lookup each; the numbers stay in tensors until the end."""
+
+    def __init__(
+        self,
+        passes: list[tuple[torch.Tensor, torch.Tensor, list]],
+        names: dict[int, str],
+        order: dict[int, int],
+    ) -> None:
+        tables = _to_host([t for t, _, _ in passes])
+        per_pass, ranks, self.names, numels = [], [], [], []
+        self.scale, self.step, self.skipped = 1.0, 0, False
+        total_sq = 0.0
+        for (_, pos_numel, params), table in zip(passes, tables, strict=True):
+            header = table[0].tolist()
+            self.scale, self.step = header[0], int(header[1])
+            self.skipped = self.skipped or bool(header[2])
+            per_grad, total = _C.reduce_grad_stats(table[1:], pos_numel[:, 1])
+            per_pass.append(per_grad)
+            total_sq += total
+            positions, sizes = pos_numel.t().tolist()
+            numels += sizes
+            keys = [id(params[i]) for i in positions]
+            n_watched = len(order)
+            self.names += [
+                names.get(k) or f"<param {i}>" for k, i in zip(keys, positions, strict=True)
+            ]
+            ranks += [order.get(k, n_watched + i) for k, i in zip(keys, positions, strict=True)]
+        rows = torch.cat(per_pass) if per_pass else torch.zeros(0, 6, dtype=torch.float64)
+        # Parameter order: watched ones by their rank, then the others by position.
+        perm = sorted(range(len(ranks)), key=ranks.__getitem__)
+        self.names = [self.names[i] for i in perm]
+        self.numels = [numels[i] for i in perm]
+        rows = rows[perm]
+        self.norms = rows[:, 0].sqrt().float().tolist()
+        self.rows = rows
+        self.total_norm = _norm(total_sq)
+
+
+def _to_host(tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tables on the host, with one device-to-host copy per device (a device's tables are
+    concatenated there first)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tables):
+        by_device.setdefault(t.device, []).append(i)
+    host: list[torch.Tensor] = list(tables)
+    for idx in by_device.values():
+        joined = torch.cat([tables[i] for i in idx]).cpu() if len(idx) > 1 else None
+        offset = 0
+        for i in idx:
+            if joined is None:
+                host[i] = tables[i].cpu()
+            else:
+                host[i] = joined[offset : offset + tables[i].shape[0]]
+                offset += tables[i].shape[0]
+    return host
 
 
 def build_report(
@@ -120,55 +176,23 @@ def build_report(
     """Reduces the iteration's tables into a report: one (grad_stats, [position, numel] per
     gradient, the optimizer's flat parameter list the positions index) per pass and device.
     ``names``/``order`` map id(param) to its watched name and rank."""
-    # One device-to-host copy per device: the tables of a device are concatenated there first.
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (table, _, _) in enumerate(passes):
-        by_device.setdefault(table.device, []).append(i)
-    host: list[torch.Tensor | None] = [None] * len(passes)
-    for idx in by_device.values():
-        joined = torch.cat([passes[i][0] for i in idx]).cpu() if len(idx) > 1 else None
-        offset = 0
-        for i in idx:
-            table = passes[i][0]
-            if joined is None:
-                host[i] = table.cpu()
-            else:
-                host[i] = joined[offset : offset + table.shape[0]]
-                offset += table.shape[0]
-    entries = []
-    scale, step, skipped = 1.0, 0, False
-    total_sq = 0.0
-    for (_, pos_numel, params), table in zip(passes, host, strict=True):
-        assert table is not None
-        scale, step = float(table[0, 0]), int(table[0, 1])
-        skipped = skipped or bool(table[0, 2])
-        per_grad, total = _C.reduce_grad_stats(table[1:], pos_numel[:, 1])
-        total_sq += total
-        for (position, numel), row in zip(pos_numel.tolist(), per_grad.tolist(), strict=True):
-            p = params[position] if position < len(params) else None
-            key = id(p)
-            name = names.get(key, f"<param {position}>")
-            rank = order.get(key, len(order) + position)
-            entries.append(
-                (
-                    rank,
-                    GradStats(
-                        name=name,
-                        norm=_norm(row[0]),
-                        abs_max=row[1],
-                        pos_inf=int(row[2]),
-                        neg_inf=int(row[3]),
-                        nan=int(row[4]),
-                        zeros=int(row[5]),
-                        numel=numel,
-                    ),
-                )
-            )
-    entries.sort(key=lambda e: e[0])
-    return StepReport(
-        step=step,
-        scale=scale,
-        skipped=skipped,
-        grads=[g for _, g in entries],
-        total_norm=_norm(total_sq),
-    )
+    r = _Reduced(passes, names, order)
+    grads = [
+        GradStats(name, norm, row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]), numel)
+        for name, norm, row, numel in zip(r.names, r.norms, r.rows.tolist(), r.numels, strict=True)
+    ]
+    return StepReport(r.step, r.scale, r.skipped, grads, r.total_norm)
+
+
+def grad_norms(
+    passes: list[tuple[torch.Tensor, torch.Tensor, list]],
+    names: dict[int, str],
+    order: dict[int, int],
+    group_separator: str,
+) -> dict[str, float]:
+    """StepReport.grad_norms without building the report."""
+    r = _Reduced(passes, names, order)
+    prefix = f"grad_2.0_norm{group_separator}"
+    out = {prefix + name: norm for name, norm in zip(r.names, r.norms, strict=True)}
+    out["grad_2.0_norm_total"] = r.total_norm
+    return out

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ampfused import _C, ops
+from ampfused import _C, diagnostics, ops
 from ampfused._torch_private import (
     OptState,
     amp_update_scale_,
@@ -60,7 +60,7 @@ from ampfused._torch_private import (
     supports_amp_scaling,
     tensor_version,
 )
-from ampfused.diagnostics import StepReport, build_report
+from ampfused.diagnostics import StepReport
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -1259,7 +1259,7 @@ class GradScaler(torch.amp.GradScaler):
         passes = self._stats_now or self._stats_last
         if self._watch is None or not passes:
             return None
-        return build_report(
+        return diagnostics.build_report(
             [(t, pn, _flat_params(groups)) for t, pn, groups in passes],
             self._watch.names,
             self._watch.order,
@@ -1282,8 +1282,15 @@ class GradScaler(torch.amp.GradScaler):
                 "grad_norms() needs per-parameter statistics: call scaler.watch(model) once "
                 "before training"
             )
-        report = self.report()
-        return {} if report is None else report.grad_norms(group_separator)
+        passes = self._stats_now or self._stats_last
+        if not passes:
+            return {}
+        return diagnostics.grad_norms(
+            [(t, pn, _flat_params(groups)) for t, pn, groups in passes],
+            self._watch.names,
+            self._watch.order,
+            group_separator,
+        )
 
     @_not_traced_eager
     def step_skipped_tensor(self) -> torch.Tensor:

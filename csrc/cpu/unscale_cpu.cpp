@@ -230,6 +230,72 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
   stat_write_row(row, stat_tree(s), c);
   return c.found();
 }
+// The same with AVX-512 (vcvtph2ps/vcvtps2ph on 16 elements are AVX512F), half the
+// instructions per element; lanes, fields and the rare second look as stats_half_f16c.
+// GCC 12's AVX-512 headers start intrinsics from _mm512_undefined_*(), which -Wall reports.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+template <bool kCheckOnly, bool kCountInputs>
+__attribute__((target("avx512f"))) bool stats_half_avx512(c10::Half* p, int64_t n, float inv,
+                                                          double* row) {
+  constexpr int L = kStatLanes<c10::Half>;
+  alignas(64) float lanes[L] = {};
+  const bool inv_is_one = inv == 1.0f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
+  const __m512i one32 = _mm512_set1_epi32(1);
+  __m512i zeros = _mm512_setzero_si512(), maxbits = zeros;
+  StatCounts<float> c;
+  for (int64_t j = 0; j < n; j += L) {
+    c10::Half* q = p + j;
+    const int m = static_cast<int>(std::min<int64_t>(L, n - j));
+    __m512i any_max = _mm512_setzero_si512();
+    c.any_max_bits = 0;
+    int l = 0;
+    for (; l + 16 <= m; l += 16) {
+      auto* at = reinterpret_cast<__m256i*>(q + l);
+      const __m256i h = _mm256_loadu_si256(at);
+      const __m512 v = _mm512_cvtph_ps(h);
+      if (kCountInputs) {
+        const __m512i vb = _mm512_castps_si512(v);
+        const __mmask16 nf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
+        if (nf) {  // rare: classify these inputs one by one
+          for (int k = 0; k < 16; ++k) stat_count_input(to_opmath(q[l + k]), c);
+        }
+      }
+      __m512 u = inv_is_one ? v : _mm512_mul_ps(v, vinv);
+      if (!kCheckOnly) {
+        const __m256i stored = _mm512_cvtps_ph(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_si256(at, stored);
+        u = _mm512_cvtph_ps(stored);
+      }
+      float* lane = lanes + l;
+      _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
+      const __m512i ub = _mm512_and_si512(_mm512_castps_si512(u), abs32);
+      zeros = _mm512_mask_add_epi32(zeros, _mm512_testn_epi32_mask(ub, ub), zeros, one32);
+      maxbits = _mm512_mask_max_epu32(maxbits, _mm512_cmplt_epu32_mask(ub, inf32), maxbits, ub);
+      if (!kCountInputs) any_max = _mm512_max_epu32(any_max, ub);
+    }
+    for (; l < m; ++l) {
+      stat_visit<c10::Half, kCheckOnly, kCountInputs>(q[l], inv, inv_is_one, lanes[l], c);
+    }
+    if (!kCountInputs) {
+      c.any_max_bits = std::max(c.any_max_bits, _mm512_reduce_max_epu32(any_max));
+      if (c.any_non_finite_u()) count_inputs_of_run(q, m, c);
+    }
+  }
+  c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));
+  c.abs_max_bits = std::max(c.abs_max_bits, _mm512_reduce_max_epu32(maxbits));
+  float s[kStatThreads];
+  for (int t = 0; t < kStatThreads; ++t) {
+    s[t] = stat_thread_sum<float, kStatVec<c10::Half>>(lanes + t * kStatVec<c10::Half>);
+  }
+  stat_write_row(row, stat_tree(s), c);
+  return c.found();
+}
+#pragma GCC diagnostic pop
 #endif
 
 template <typename T>
@@ -237,6 +303,12 @@ AMPFUSED_INLINE bool stats_item_any(T* p, int64_t n, opmath_t<T> inv, bool check
                                     double* row) {
 #ifdef AMPFUSED_HAVE_F16C_PATH
   if constexpr (std::is_same_v<T, c10::Half>) {
+    static const bool avx512 = __builtin_cpu_supports("avx512f");
+    if (avx512) {
+      if (check_only) return stats_half_avx512<true, false>(p, n, inv, row);
+      return inputs_countable_after_write(inv) ? stats_half_avx512<false, false>(p, n, inv, row)
+                                               : stats_half_avx512<false, true>(p, n, inv, row);
+    }
     static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     if (f16c) {
       if (check_only) return stats_half_f16c<true, false>(p, n, inv, row);

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define AMPFUSED_HOST_DEVICE __host__ __device__
@@ -134,13 +135,18 @@ AMPFUSED_INLINE uint32_t non_finite_bf16_bits(uint16_t h) {
 // bfloat16 from float: round to nearest even, any NaN -> 0x7FC0 (c10::BFloat16's host rule).
 // Written on the bits, without branches, so the CPU loop vectorizes; CUDA uses it too, so both
 // backends store the same bits (c10's device conversion would store 0x7FFF for NaN on sm_80+).
-// The NaN case is a mask, not a select: GCC then vectorizes loops that also read the result back
-// (the grad_stats loops).
+// kMaskNaN: the NaN case as a mask instead of a select, the same bits.  GCC vectorizes the
+// grad_stats loop, which reads the stored value back, only with the mask; the plain loop is
+// faster with the select.
+template <bool kMaskNaN = false>
 AMPFUSED_INLINE uint16_t float_to_bf16_bits(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u & 0x7fffffffu) > kFloatExpMask;
-  return static_cast<uint16_t>((rounded & (nan - 1u)) | (0x7fc0u & (0u - nan)));
+  if (kMaskNaN) {
+    const uint32_t nan = (u & 0x7fffffffu) > kFloatExpMask;
+    return static_cast<uint16_t>((rounded & (nan - 1u)) | (0x7fc0u & (0u - nan)));
+  }
+  return (u & 0x7fffffffu) > kFloatExpMask ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
 }
 AMPFUSED_INLINE float bf16_bits_to_float(uint16_t h) {
   return bits_float(static_cast<uint32_t>(h) << 16);
@@ -386,7 +392,10 @@ AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t
   const M v = to_opmath(x);
   if (kCountInputs) stat_count_input(v, c);
   M u = unscaled(v, inv, inv_is_one);
-  if (!kCheckOnly) {
+  if constexpr (!kCheckOnly && std::is_same_v<T, c10::BFloat16>) {
+    x.x = float_to_bf16_bits<true>(u);  // to_storage<c10::BFloat16>, vectorizable here
+    u = to_opmath(x);
+  } else if constexpr (!kCheckOnly) {
     x = to_storage<T>(u);
     u = to_opmath(x);
   }

@@ -72,7 +72,9 @@ def _check(grads, scale=SCALE, check_only=False):
     table, found = _run(grads, scale, check_only)
     _same(table[1:], expected)
     nonfinite = any(not bool(torch.isfinite(g).all()) for g in before if g.numel())
-    _same(table[0], torch.tensor([scale, STEPS, float(nonfinite), 0, 0, 0], dtype=torch.float64))
+    scale32 = float(torch.tensor(scale, dtype=torch.float32))  # the state holds a float32
+    header = [scale32, STEPS, float(nonfinite), 0, 0, 0]
+    _same(table[0], torch.tensor(header, dtype=torch.float64))
     assert found == float(nonfinite)
     return table
 
@@ -172,6 +174,19 @@ def test_non_finite_counts(device, dtype, check_only, scale):
             assert not math.isfinite(per[t, 0])
     assert per[1, 5] >= 1001
     assert math.isnan(total)
+
+
+# inv = 1.5 and inv = 0.501953125 (on both sides of inputs_countable_after_write): thousands of
+# float32 products that are exact ties for bfloat16 (round half to even), hundreds for inv <= 1.
+@pytest.mark.parametrize("scale", [2 / 3, 1 / 0.501953125])
+@pytest.mark.parametrize("check_only", [False, True], ids=["write", "check_only"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_value(device, dtype, check_only, scale):
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    g = every.to(device, copy=True)
+    _check([g], scale=scale, check_only=check_only)
+    expected = every if check_only else _unscaled(every, scale)
+    _same(g.cpu().double(), expected.double())  # a NaN stays a NaN, payload aside
 
 
 def test_abs_max_and_overflow_to_inf(device):

@@ -230,12 +230,104 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
   stat_write_row(row, stat_tree(s), c);
   return c.found();
 }
+// The 16-bit formats with AVX-512F, 16 elements per step (float16: vcvtph2ps/vcvtps2ph, half the
+// instructions of stats_half_f16c; bfloat16: float_to_bf16_bits on 16 lanes, which GCC does not
+// vectorize in 512 bits without AVX512BW); lanes, fields and the rare second look as above.
+// GCC 12's AVX-512 headers start intrinsics from _mm512_undefined_*(), which -Wall reports.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+template <typename T, bool kCheckOnly, bool kCountInputs>
+__attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float inv, double* row) {
+  static_assert(sizeof(T) == 2);
+  constexpr int L = kStatLanes<T>;
+  alignas(64) float lanes[L] = {};
+  const bool inv_is_one = inv == 1.0f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
+  const __m512i one32 = _mm512_set1_epi32(1);
+  const __m512i bf16_half_ulp = _mm512_set1_epi32(0x7fff);
+  const __m512i bf16_nan = _mm512_set1_epi32(0x7fc0);
+  __m512i zeros = _mm512_setzero_si512(), maxbits = zeros;
+  StatCounts<float> c;
+  for (int64_t j = 0; j < n; j += L) {
+    T* q = p + j;
+    const int m = static_cast<int>(std::min<int64_t>(L, n - j));
+    __m512i any_max = _mm512_setzero_si512();
+    c.any_max_bits = 0;
+    int l = 0;
+    for (; l + 16 <= m; l += 16) {
+      auto* at = reinterpret_cast<__m256i*>(q + l);
+      const __m256i h = _mm256_loadu_si256(at);
+      __m512 v;
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        v = _mm512_cvtph_ps(h);
+      } else {
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+      if (kCountInputs) {
+        const __m512i vb = _mm512_castps_si512(v);
+        const __mmask16 nf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
+        if (nf) {  // rare: classify these inputs one by one
+          for (int k = 0; k < 16; ++k) stat_count_input(to_opmath(q[l + k]), c);
+        }
+      }
+      __m512 u = inv_is_one ? v : _mm512_mul_ps(v, vinv);
+      if constexpr (!kCheckOnly && std::is_same_v<T, c10::Half>) {
+        const __m256i stored = _mm512_cvtps_ph(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_si256(at, stored);
+        u = _mm512_cvtph_ps(stored);
+      } else if constexpr (!kCheckOnly) {
+        // float_to_bf16_bits: round to nearest even, any NaN -> 0x7FC0.
+        const __m512i b = _mm512_castps_si512(u);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one32);
+        const __m512i rounded =
+            _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bf16_half_ulp), lsb), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs32), inf32);
+        const __m512i stored = _mm512_mask_mov_epi32(rounded, nan, bf16_nan);
+        _mm256_storeu_si256(at, _mm512_cvtepi32_epi16(stored));
+        u = _mm512_castsi512_ps(_mm512_slli_epi32(stored, 16));
+      }
+      float* lane = lanes + l;
+      _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
+      const __m512i ub = _mm512_and_si512(_mm512_castps_si512(u), abs32);
+      zeros = _mm512_mask_add_epi32(zeros, _mm512_testn_epi32_mask(ub, ub), zeros, one32);
+      maxbits = _mm512_mask_max_epu32(maxbits, _mm512_cmplt_epu32_mask(ub, inf32), maxbits, ub);
+      if (!kCountInputs) any_max = _mm512_max_epu32(any_max, ub);
+    }
+    for (; l < m; ++l) {
+      stat_visit<T, kCheckOnly, kCountInputs>(q[l], inv, inv_is_one, lanes[l], c);
+    }
+    if (!kCountInputs) {
+      c.any_max_bits = std::max(c.any_max_bits, _mm512_reduce_max_epu32(any_max));
+      if (c.any_non_finite_u()) count_inputs_of_run(q, m, c);
+    }
+  }
+  c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));
+  c.abs_max_bits = std::max(c.abs_max_bits, _mm512_reduce_max_epu32(maxbits));
+  float s[kStatThreads];
+  for (int t = 0; t < kStatThreads; ++t) {
+    s[t] = stat_thread_sum<float, kStatVec<T>>(lanes + t * kStatVec<T>);
+  }
+  stat_write_row(row, stat_tree(s), c);
+  return c.found();
+}
+#pragma GCC diagnostic pop
 #endif
 
 template <typename T>
 AMPFUSED_INLINE bool stats_item_any(T* p, int64_t n, opmath_t<T> inv, bool check_only,
                                     double* row) {
 #ifdef AMPFUSED_HAVE_F16C_PATH
+  if constexpr (sizeof(T) == 2) {
+    static const bool avx512 = __builtin_cpu_supports("avx512f");
+    if (avx512) {
+      if (check_only) return stats16_avx512<T, true, false>(p, n, inv, row);
+      return inputs_countable_after_write(inv) ? stats16_avx512<T, false, false>(p, n, inv, row)
+                                               : stats16_avx512<T, false, true>(p, n, inv, row);
+    }
+  }
   if constexpr (std::is_same_v<T, c10::Half>) {
     static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     if (f16c) {

@@ -422,10 +422,30 @@ template <typename M>
 AMPFUSED_INLINE void stat_tree_level(M* s, int h, int j) {
   s[j] = stat_add(s[j], s[j + h]);
 }
-template <typename M>
-AMPFUSED_INLINE M stat_tree(M* s) {
+
+// The CPU's form of the same sums, for an item of n elements whose lanes were accumulated in
+// `lanes`: only the lanes the item touched are read (stat_zero_lanes zeroes them first), so a
+// small item costs what it touches.  The others would hold +0.0, and adding +0.0 leaves a sum of
+// squares unchanged (none is -0.0), so the threads and tree additions that would only add them
+// are skipped with the same result.
+template <typename M, int V>
+AMPFUSED_INLINE int stat_active_threads(int64_t n) {
+  return n >= int64_t{kStatThreads} * V ? kStatThreads : static_cast<int>((n + V - 1) / V);
+}
+template <typename M, int V>
+AMPFUSED_INLINE void stat_zero_lanes(M* lanes, int64_t n) {
+  const int touched = stat_active_threads<M, V>(n) * V;
+  for (int l = 0; l < touched; ++l) lanes[l] = M(0);
+}
+template <typename M, int V>
+AMPFUSED_INLINE M stat_item_sum(const M* lanes, int64_t n) {
+  int active = stat_active_threads<M, V>(n);
+  M s[kStatThreads];
+  for (int t = 0; t < active; ++t) s[t] = stat_thread_sum<M, V>(lanes + t * V);
   for (int h = kStatThreads / 2; h > 0; h /= 2) {
-    for (int j = 0; j < h; ++j) stat_tree_level(s, h, j);
+    if (h >= active) continue;  // every partner s[j + h] is beyond the touched threads
+    for (int j = 0; j + h < active; ++j) stat_tree_level(s, h, j);
+    active = h;
   }
   return s[0];
 }

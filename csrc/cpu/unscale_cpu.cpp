@@ -132,7 +132,8 @@ AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, dou
   using M = opmath_t<T>;
   constexpr int V = kStatVec<T>;
   constexpr int L = kStatLanes<T>;
-  alignas(64) M lanes[L] = {};
+  alignas(64) M lanes[L];
+  stat_zero_lanes<M, V>(lanes, n);
   StatCounts<M> c;
   for (int64_t j = 0; j < n; j += L) {
     T* __restrict q = p + j;
@@ -143,9 +144,7 @@ AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, dou
     }
     if (!kCountInputs && c.any_non_finite_u()) count_inputs_of_run(q, m, c);
   }
-  M s[kStatThreads];
-  for (int t = 0; t < kStatThreads; ++t) s[t] = stat_thread_sum<M, V>(lanes + t * V);
-  stat_write_row(row, stat_tree(s), c);
+  stat_write_row(row, stat_item_sum<M, V>(lanes, n), c);
   return c.found();
 }
 
@@ -158,7 +157,8 @@ template <bool kCheckOnly, bool kCountInputs>
 __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t n, float inv,
                                                           double* row) {
   constexpr int L = kStatLanes<c10::Half>;
-  alignas(64) float lanes[L] = {};
+  alignas(64) float lanes[L];
+  stat_zero_lanes<float, kStatVec<c10::Half>>(lanes, n);
   const bool inv_is_one = inv == 1.0f;
   const __m256 vinv = _mm256_set1_ps(inv);
   const __m128i abs16 = _mm_set1_epi16(0x7fff);
@@ -223,11 +223,7 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
     c.zeros += c32[0][k];
     c.abs_max_bits = std::max(c.abs_max_bits, c32[1][k]);
   }
-  float s[kStatThreads];
-  for (int t = 0; t < kStatThreads; ++t) {
-    s[t] = stat_thread_sum<float, kStatVec<c10::Half>>(lanes + t * kStatVec<c10::Half>);
-  }
-  stat_write_row(row, stat_tree(s), c);
+  stat_write_row(row, stat_item_sum<float, kStatVec<c10::Half>>(lanes, n), c);
   return c.found();
 }
 // The 16-bit formats with AVX-512F, 16 elements per step (float16: vcvtph2ps/vcvtps2ph, half the
@@ -241,7 +237,8 @@ template <typename T, bool kCheckOnly, bool kCountInputs>
 __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float inv, double* row) {
   static_assert(sizeof(T) == 2);
   constexpr int L = kStatLanes<T>;
-  alignas(64) float lanes[L] = {};
+  alignas(64) float lanes[L];
+  stat_zero_lanes<float, kStatVec<T>>(lanes, n);
   const bool inv_is_one = inv == 1.0f;
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
@@ -306,11 +303,7 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
   }
   c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));
   c.abs_max_bits = std::max(c.abs_max_bits, _mm512_reduce_max_epu32(maxbits));
-  float s[kStatThreads];
-  for (int t = 0; t < kStatThreads; ++t) {
-    s[t] = stat_thread_sum<float, kStatVec<T>>(lanes + t * kStatVec<T>);
-  }
-  stat_write_row(row, stat_tree(s), c);
+  stat_write_row(row, stat_item_sum<float, kStatVec<T>>(lanes, n), c);
   return c.found();
 }
 #pragma GCC diagnostic pop

@@ -85,7 +85,8 @@ void restore_one_shot(py::handle param_groups, py::handle groups_seq,
 // after the whole walk (NotImplementedError, which torch's op raises once the loop is done, so
 // a float16 grad anywhere wins).  Either way nothing was unscaled.
 std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool allow_fp16,
-                                                std::vector<py::object>& keep_alive) {
+                                                std::vector<py::object>& keep_alive,
+                                                bool positions) {
   std::vector<DeviceGrads> out;
   keep_alive.push_back(as_sequence(param_groups, -1));
   PyObject* groups_seq = keep_alive.back().ptr();
@@ -174,7 +175,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       } else {
         slot->borrow(grad);
       }
-      slot->positions.push_back(position);
+      if (positions) slot->positions.push_back(position);
     }
   }
   if (!unsupported.empty()) raise(PyExc_NotImplementedError, unsupported);

@@ -59,8 +59,10 @@ struct DeviceGrads : GradList {
 // alive (lists read from iterators).  std::nullopt when some gradient needs torch's Python path
 // (a tensor subclass, or a device without ampfused kernels).  Errors as torch's _unscale_grads_
 // raises them (grad_gather.cpp).
+// With `positions`, each DeviceGrads also lists its gradients' parameter positions.
 std::optional<std::vector<DeviceGrads>> collect(pybind11::handle param_groups, bool allow_fp16,
-                                                std::vector<pybind11::object>& keep_alive);
+                                                std::vector<pybind11::object>& keep_alive,
+                                                bool positions = false);
 
 // Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
 // borrowed grads become owned references first.  Short passes and CUDA launches keep it.

@@ -37,10 +37,10 @@ bool async_to(const at::Device& device) { return !device.is_cpu(); }
 // pass(DeviceGrads), which returns that device's result; long CPU passes run without the GIL.
 // std::nullopt when some gradient needs torch's Python path (grad_gather.h).
 template <typename Pass>
-auto per_device(py::handle param_groups, bool allow_fp16, Pass pass)
+auto per_device(py::handle param_groups, bool allow_fp16, Pass pass, bool positions = false)
     -> std::optional<std::vector<decltype(pass(std::declval<const DeviceGrads&>()))>> {
   std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
-  auto groups = collect(param_groups, allow_fp16, keep_alive);
+  auto groups = collect(param_groups, allow_fp16, keep_alive, positions);
   if (!groups) return std::nullopt;
   const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;
@@ -66,49 +66,52 @@ std::optional<std::vector<ScalerFound>> fused_pass(py::handle param_groups, cons
                                                    bool check_only, bool accumulate,
                                                    bool allow_fp16, bool with_stats) {
   at::Tensor inv_scale;  // for other devices, made on first need
-  return per_device(param_groups, allow_fp16, [&](const DeviceGrads& g) -> ScalerFound {
-    const at::Device& device = g.device;
-    at::TensorList grads = g.grads;
-    std::optional<at::Tensor> stats, positions;
-    if (with_stats) {
-      stats = at::empty({grad_stats_rows(grads), kStatFields},
-                        state.options().dtype(at::kDouble).device(device));
-      // [position, numel] per gradient: what the statistics rows are reduced by.
-      std::vector<int64_t> pn;
-      pn.reserve(2 * grads.size());
-      for (size_t i = 0; i < grads.size(); ++i) {
-        pn.push_back(g.positions[i]);
-        pn.push_back(grads[i].numel());
-      }
-      positions = at::tensor(pn, at::kLong).view({-1, 2});
-    }
-    at::Tensor f = at::empty({}, state.options().dtype(at::kFloat).device(device));
-    if (device == state.device() || with_stats) {
-      const bool here = device == state.device();
-      const at::Tensor s = here ? state : state.to(device, /*non_blocking=*/async_to(device));
-      const at::Tensor next = here ? next_state : at::empty_like(s);
-      ops::scaler_pass_::call(grads, f, s, next, stats, growth_factor, backoff_factor,
-                              growth_interval, min_scale, max_scale, hysteresis, check_only,
-                              here && accumulate);
-      return {device, f, stats, positions};
-    }
-    f.zero_();
-    if (check_only) {
-      ops::non_finite_check_::call(grads, f);
-    } else {
-      // inv_scale_of (unscale_math.h) as tensor ops, computed once on the state's device.
-      if (!inv_scale.defined()) {
-        inv_scale = state.narrow(0, kStateScale, 1)
-                        .view(at::kFloat)
-                        .to(at::kDouble)
-                        .reciprocal()
-                        .to(at::kFloat);
-      }
-      ops::non_finite_check_and_unscale_::call(
-          grads, f, inv_scale.to(device, /*non_blocking=*/async_to(device)));
-    }
-    return {device, f, stats, positions};
-  });
+  return per_device(
+      param_groups, allow_fp16,
+      [&](const DeviceGrads& g) -> ScalerFound {
+        const at::Device& device = g.device;
+        at::TensorList grads = g.grads;
+        std::optional<at::Tensor> stats, positions;
+        if (with_stats) {
+          stats = at::empty({grad_stats_rows(grads), kStatFields},
+                            state.options().dtype(at::kDouble).device(device));
+          // [position, numel] per gradient: what the statistics rows are reduced by.
+          std::vector<int64_t> pn;
+          pn.reserve(2 * grads.size());
+          for (size_t i = 0; i < grads.size(); ++i) {
+            pn.push_back(g.positions[i]);
+            pn.push_back(grads[i].numel());
+          }
+          positions = at::tensor(pn, at::kLong).view({-1, 2});
+        }
+        at::Tensor f = at::empty({}, state.options().dtype(at::kFloat).device(device));
+        if (device == state.device() || with_stats) {
+          const bool here = device == state.device();
+          const at::Tensor s = here ? state : state.to(device, /*non_blocking=*/async_to(device));
+          const at::Tensor next = here ? next_state : at::empty_like(s);
+          ops::scaler_pass_::call(grads, f, s, next, stats, growth_factor, backoff_factor,
+                                  growth_interval, min_scale, max_scale, hysteresis, check_only,
+                                  here && accumulate);
+          return {device, f, stats, positions};
+        }
+        f.zero_();
+        if (check_only) {
+          ops::non_finite_check_::call(grads, f);
+        } else {
+          // inv_scale_of (unscale_math.h) as tensor ops, computed once on the state's device.
+          if (!inv_scale.defined()) {
+            inv_scale = state.narrow(0, kStateScale, 1)
+                            .view(at::kFloat)
+                            .to(at::kDouble)
+                            .reciprocal()
+                            .to(at::kFloat);
+          }
+          ops::non_finite_check_and_unscale_::call(
+              grads, f, inv_scale.to(device, /*non_blocking=*/async_to(device)));
+        }
+        return {device, f, stats, positions};
+      },
+      /*positions=*/with_stats);
 }
 
 // GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): torch's contract

@@ -205,8 +205,9 @@ def test_layouts(device, dtype):
     permuted = m2d.t()  # dense, walked in memory order
     gaps = _values(300 * 500, dtype, 7).to(device).view(300, 500)[:, ::2]
     # Memory order and row-major order, stated without the reference's _elements():
-    exp_perm = reference.grad_stats([m2d.cpu().clone()], _inv(SCALE), False)
-    exp_gaps = reference.grad_stats([gaps.cpu().contiguous()], _inv(SCALE), False)
+    # (clone first: on the CPU .cpu() returns the tensor itself, which the device audit then marks)
+    exp_perm = reference.grad_stats([m2d.clone().cpu()], _inv(SCALE), False)
+    exp_gaps = reference.grad_stats([gaps.clone().cpu().contiguous()], _inv(SCALE), False)
     gaps_before = gaps.clone()
     table = _check([*misaligned[::2], permuted, gaps])
     rows_m = -(-70000 // CHUNK)

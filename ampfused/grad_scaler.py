@@ -82,6 +82,7 @@ _FLOOR_HITS = 8
 # steps, skipped_steps, consecutive_skips: what update(new_scale) advances
 _ITERATION_COUNTERS = slice(3, 6)
 _INF = float("inf")
+_TABLE_NORMS = (2.0, _INF)  # the norms clip_factor_ computes from the pass's statistics
 # counters()'s keys: the state's fields after hysteresis_left (ops.STATE_FIELDS).
 _COUNTER_NAMES = ops.STATE_FIELDS[_HYSTERESIS_LEFT + 1 :]
 _AT_MIN_SCALE = ("clamp", "warn", "raise")
@@ -770,12 +771,18 @@ class GradScaler(torch.amp.GradScaler):
 
     # ----------------------------------------------------------------------------- passes
     def _fused_found_inf(
-        self, optimizer: torch.optim.Optimizer, check_only: bool, allow_fp16: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        check_only: bool,
+        allow_fp16: bool,
+        tables: list | None = None,
     ) -> dict[torch.device, torch.Tensor] | None:
         """One fused pass over the optimizer's gradients, with the pending update computed.
 
         Returns None, having read nothing, when torch's method must run instead (its own
-        ``unscale_`` / ``_check_inf_per_device``, which call ``_unscale_grads_``).
+        ``unscale_`` / ``_check_inf_per_device``, which call ``_unscale_grads_``).  With
+        ``tables``, the pass writes statistics and appends (table, positions, groups) per device
+        to it (none where gradients took torch's walk).
         """
         scale, tracker = self._scale, self._growth_tracker
         assert scale is not None and tracker is not None
@@ -803,7 +810,7 @@ class GradScaler(torch.amp.GradScaler):
             check_only,
             pending is not None and bool(pending.found),
             allow_fp16,
-            self._watch is not None,
+            self._watch is not None or tables is not None,
         )
         if result is None:
             # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
@@ -828,7 +835,10 @@ class GradScaler(torch.amp.GradScaler):
             if device == dev:
                 pending.found[id(found_inf)] = (found_inf, tensor_version(found_inf))
             if stats is not None:
-                self._stats_now.append((stats, positions, groups))
+                if self._watch is not None:
+                    self._stats_now.append((stats, positions, groups))
+                if tables is not None:
+                    tables.append((stats, positions, groups))
         return found
 
     @_not_traced_eager
@@ -893,6 +903,175 @@ class GradScaler(torch.amp.GradScaler):
             return super()._check_inf_per_device(optimizer)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
+
+    # ----------------------------------------------------------------------------- clip
+    @_not_traced
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Unscale the optimizer's gradients and clip them by their total norm, in two passes.
+
+        The same as ``scaler.unscale_(optimizer)`` then ``torch.nn.utils.clip_grad_norm_(params,
+        max_norm, norm_type, error_if_nonfinite)`` over the optimizer's parameters: the same skip
+        decision, gradients unscaled and multiplied by ``min(max_norm / (total_norm + 1e-6),
+        1)``, and the pre-clip norm of the unscaled gradients returned as a tensor on their
+        device.  After :meth:`unscale_` it only clips.  Then call :meth:`step` as usual (fused
+        optimizers included: they get the unscaled gradients and the inf/NaN flag).
+
+        For norm_type 2 and inf on one device it reads every gradient once (the inf/NaN check
+        and the norm together) and writes it once (multiplied by ``inv_scale * clip_coef``):
+        12 bytes per float32 element where the two torch calls move 20, and no host sync.  The
+        norm is accumulated in float64 in a fixed order (:func:`ampfused.reference.
+        clip_grad_norm_`), so it can differ from torch's in the last bits, and it is float32
+        whatever the gradients' dtype (torch returns float16 for float16 gradients).  Other
+        norms, and gradients on several devices or of tensor subclasses, take
+        ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` (correct, not fused).
+
+        With :meth:`watch`, the per-parameter statistics of :meth:`report` and
+        :meth:`grad_norms` come from the same read pass (pre-clip).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the total norm is inf/NaN (checking costs a
+                host sync); the message names the first gradient that held inf/NaN, by the
+                name given to :meth:`watch` or else by its place in ``optimizer.param_groups``.
+                The gradients are left unscaled and unclipped, as torch leaves them.
+            RuntimeError: called after :meth:`step` in this iteration.
+        """
+        if compiled_region_active():
+            return _eager(GradScaler.clip_grad_norm_)(
+                self, optimizer, max_norm, norm_type, error_if_nonfinite
+            )
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not self._enabled:
+            return torch.nn.utils.clip_grad_norm_(
+                _flat_params(_read_param_groups(optimizer)),
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+            )
+        self._check_scale_growth_tracker("clip_grad_norm_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is _STEPPED:
+            raise RuntimeError(
+                "clip_grad_norm_() is being called after step(). Clip before step(): "
+                "scaler.clip_grad_norm_(optimizer, max_norm), then scaler.step(optimizer)."
+            )
+        unscaled = optimizer_state["stage"] is _UNSCALED
+        tables: list = []
+        if norm_type not in _TABLE_NORMS:
+            found = None
+        elif unscaled:
+            found = self._unit_pass(optimizer, tables)
+        else:
+            found = self._fused_found_inf(
+                optimizer, check_only=True, allow_fp16=not self._scaling, tables=tables
+            )
+        if found is not None and not unscaled:
+            optimizer_state["found_inf_per_device"] = found
+            optimizer_state["stage"] = _UNSCALED
+        dev = self._scale.device  # type: ignore[union-attr]
+        if found is None or len(tables) != 1 or len(found) != 1 or tables[0][0].device != dev:
+            return self._clip_unfused(
+                optimizer,
+                optimizer_state,
+                found is not None and not unscaled,
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+            )
+        table, positions, groups = tables[0]
+        total = torch.empty((), dtype=torch.float32, device=dev)
+        factor = torch.empty((), dtype=torch.float32, device=dev)
+        state = None if unscaled else self._pass_state()
+        ops.clip_factor_(table, state, total, factor, max_norm, norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            if not unscaled:  # torch raises after unscale_, before clipping
+                self._multiply_grads(groups, self._inv_scale())
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+                + self._first_non_finite(table, positions, groups)
+            )
+        self._multiply_grads(groups, factor)
+        return total
+
+    def _inv_scale(self) -> torch.Tensor:
+        if not self._scaling:
+            return torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
+        return self._scale.double().reciprocal().float()  # type: ignore[union-attr]
+
+    def _multiply_grads(self, groups: Any, factor: torch.Tensor) -> None:
+        """Every gradient of the groups times factor, in place (multiply-or-pass)."""
+        flag = torch.zeros((), dtype=torch.float32, device=factor.device)
+        self._unscale_grads_(_ParamGroups(groups), factor, flag, True)
+
+    def _unit_pass(self, optimizer: torch.optim.Optimizer, tables: list) -> dict | None:
+        """A read-only pass with statistics over gradients already unscaled (scale 1, the
+        scaler's state untouched); None where gradients need torch's walk."""
+        dev = self._scale.device  # type: ignore[union-attr]
+        unit = torch.zeros(_STATE_SIZE, dtype=torch.int32, device=dev)
+        unit[0:1].view(torch.float32).fill_(1.0)
+        unit[_HYSTERESIS_LEFT] = 1
+        groups = _read_param_groups(optimizer)
+        result = _C.fused_pass(
+            groups,
+            unit,
+            torch.empty_like(unit),
+            2.0,
+            0.5,
+            1,
+            -_INF,
+            _INF,
+            1,
+            True,
+            False,
+            True,
+            True,
+        )
+        if result is None:
+            return None
+        for _, _, stats, positions in result:
+            tables.append((stats, positions, groups))
+        return {device: f for device, f, _, _ in result}
+
+    def _clip_unfused(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        checked: bool,
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+    ) -> torch.Tensor:
+        """unscale_ (or, after this call's read-only pass, the multiply it left out), then
+        torch's clip_grad_norm_."""
+        groups = _read_param_groups(optimizer)
+        if checked:
+            self._multiply_grads(groups, self._inv_scale())
+        elif optimizer_state["stage"] is _READY:
+            self.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(
+            _flat_params(groups), max_norm, norm_type, error_if_nonfinite
+        )
+
+    def _first_non_finite(self, table: torch.Tensor, positions: torch.Tensor, groups: Any) -> str:
+        """'; first non-finite gradient: <name>' from a pass's table, or '' if no input was."""
+        per_grad, _ = _C.reduce_grad_stats(table[1:].cpu(), positions[:, 1])
+        bad = (per_grad[:, 2:5].sum(dim=1) > 0).nonzero()
+        if bad.numel() == 0:
+            return ""
+        position = int(positions[int(bad[0, 0]), 0])
+        param = _flat_params(groups)[position]
+        name = self._watch.names.get(id(param)) if self._watch is not None else None
+        if name is None:
+            g, i = _group_index(groups, position)
+            name = f"optimizer.param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)})"
+        return f" (first gradient with inf/NaN: {name})"
 
     # ----------------------------------------------------------------------------- step
     @_not_traced
@@ -1340,6 +1519,16 @@ class GradScaler(torch.amp.GradScaler):
 
 def _flat_params(groups: Any) -> list:
     return [p for g in groups for p in g["params"]]
+
+
+def _group_index(groups: Any, position: int) -> tuple[int, int]:
+    """(group, index in the group) of a position in _flat_params(groups)."""
+    for g, group in enumerate(groups):
+        n = len(group["params"])
+        if position < n:
+            return g, position
+        position -= n
+    raise IndexError(position)
 
 
 class _Watch:

@@ -19,6 +19,7 @@ __all__ = [
     "unscale_update_scale_",
     "scaler_pass_",
     "scaler_update_",
+    "clip_factor_",
     "grad_stats_rows",
     "STATE_SIZE",
     "STAT_FIELDS",
@@ -227,6 +228,28 @@ def scaler_update_(
     )
 
 
+def clip_factor_(
+    grad_stats: Tensor,
+    state: Tensor | None,
+    total_norm: Tensor,
+    factor: Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> None:
+    """The total norm of a pass's gradients and their clip factor, from the pass's statistics.
+
+    Args:
+        grad_stats: the table :func:`scaler_pass_` wrote (header row, then item rows).
+        state: the scaler's state whose scale the table's pass unscaled by (the factor then
+            includes ``1 / scale``), or None (the gradients are already unscaled).
+        total_norm, factor: one-element float32 outputs: ``float32`` of the norm of order
+            ``norm_type`` (2 or inf) of the unscaled gradients, and what to multiply the
+            gradients by to unscale and clip them, ``inv_scale * min(max_norm / (total_norm +
+            1e-6), 1)`` with torch's rounding (:func:`ampfused.reference.clip_factor_`).
+    """
+    torch.ops.ampfused.clip_factor_(grad_stats, state, total_norm, factor, max_norm, norm_type)
+
+
 # Fake kernels: the ops only mutate their arguments and return nothing, so tracing needs no
 # shape logic.
 @torch.library.register_fake("ampfused::non_finite_check_and_unscale_")
@@ -263,4 +286,9 @@ def _(grads, found_inf, state, next_state, grad_stats, *args):
 
 @torch.library.register_fake("ampfused::scaler_update_")
 def _(found_inf, state, next_state, *args):
+    return None
+
+
+@torch.library.register_fake("ampfused::clip_factor_")
+def _(grad_stats, state, total_norm, factor, max_norm, norm_type):
     return None

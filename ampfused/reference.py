@@ -196,12 +196,11 @@ def reduce_grad_stats(item_rows: Tensor, numels: list[int]) -> tuple[Tensor, flo
     """Per-gradient statistics from the item rows (``table[1:]``) of gradients of ``numels``
     elements: per gradient, its ceil(numel / 65536) rows reduced in order - sum_squares summed
     sequentially in float64, counts summed, abs_max the max - into a float64 ``[len(numels), 6]``
-    tensor; and the total sum of squares, summed sequentially over the gradients in float64.
+    tensor; and the total sum of squares over every row, in :func:`stat_total`'s order.
     A gradient's L2 norm is float32(sqrt(sum_squares))."""
     out = torch.zeros(len(numels), 6, dtype=torch.float64)
     rows = item_rows.tolist()
     r = 0
-    total = 0.0
     for i, n in enumerate(numels):
         acc = [0.0] * 6
         for row in rows[r : r + -(-n // STAT_CHUNK)]:
@@ -210,10 +209,93 @@ def reduce_grad_stats(item_rows: Tensor, numels: list[int]) -> tuple[Tensor, flo
             acc[1] = abs_max
         r += -(-n // STAT_CHUNK)
         out[i] = torch.tensor(acc, dtype=torch.float64)
-        total += acc[0]
     if r != item_rows.shape[0]:
         raise ValueError(f"item_rows has {item_rows.shape[0]} rows, numels account for {r}")
-    return out, total
+    return out, stat_total(item_rows)[0]
+
+
+TOTAL_LANES = 256
+
+
+def stat_total(item_rows: Tensor) -> tuple[float, float, float, float]:
+    """(sum_squares, abs_max, non_finite, nan) over a table's item rows, in a fixed order:
+    lane l = 0..255 takes rows l, l + 256, l + 512, ... in order (sum_squares added in float64,
+    abs_max the max, non_finite += pos_inf + neg_inf + nan, nan += nan); then for h = 128, 64,
+    ..., 1: lane[j] += lane[j + h] for j < h, field by field.  The result is lane 0."""
+    lanes = [[0.0, 0.0, 0.0, 0.0] for _ in range(TOTAL_LANES)]
+    for r, row in enumerate(item_rows.tolist()):
+        lane = lanes[r % TOTAL_LANES]
+        lane[0] += row[0]
+        lane[1] = max(lane[1], row[1])
+        lane[2] += row[2] + row[3] + row[4]
+        lane[3] += row[4]
+    h = TOTAL_LANES // 2
+    while h:
+        for j in range(h):
+            a, b = lanes[j], lanes[j + h]
+            lanes[j] = [a[0] + b[0], max(a[1], b[1]), a[2] + b[2], a[3] + b[3]]
+        h //= 2
+    return tuple(lanes[0])  # type: ignore[return-value]
+
+
+def total_norm(item_rows: Tensor, norm_type: float) -> float:
+    """The norm of order 2 or inf of every unscaled element behind the item rows, in float64:
+    2: sqrt of :func:`stat_total`'s sum of squares; inf: NaN if an element was NaN (or a square
+    is NaN), else inf if one was inf, else the largest finite magnitude."""
+    sum_squares, abs_max, non_finite, nan = stat_total(item_rows)
+    if norm_type == 2.0:
+        return math.sqrt(sum_squares) if sum_squares == sum_squares else math.nan
+    if norm_type != math.inf:
+        raise NotImplementedError(f"norm_type must be 2 or inf, got {norm_type}")
+    if nan > 0 or sum_squares != sum_squares:
+        return math.nan
+    return math.inf if non_finite > 0 else abs_max
+
+
+def clip_factor_(
+    grad_stats: Tensor,
+    state: Tensor | None,
+    total_norm: Tensor,
+    factor: Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> None:
+    """total_norm = float32(:func:`total_norm` of the table's item rows); factor = inv *
+    clamp((1 / (total_norm + 1e-6)) * max_norm, max=1.0), each operation in float32 as torch's
+    ``max_norm / (total_norm + 1e-6)`` rounds it, inv = :func:`inv_scale_of` the state's scale
+    (1 when state is None)."""
+    f32 = torch.float32
+    total = torch.tensor(globals()["total_norm"](grad_stats[1:].cpu(), norm_type)).to(f32)
+    coef = torch.tensor(1.0, dtype=f32) / (total + torch.tensor(1e-6, dtype=f32))
+    coef = torch.clamp(coef * torch.tensor(max_norm, dtype=f32), max=1.0)
+    inv = torch.tensor(1.0, dtype=f32) if state is None else inv_scale_of(_state_scale(state))
+    total_norm.fill_(total)
+    factor.fill_((inv.reshape(()) * coef).item())
+
+
+def _state_scale(state: Tensor) -> Tensor:
+    return state[0:1].view(torch.float32).cpu()
+
+
+def clip_grad_norm_(
+    grads: list[Tensor], scale: Tensor | None, max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """What ``GradScaler.clip_grad_norm_`` computes for gradients of one device, still scaled by
+    ``scale`` (None: already unscaled): the item rows of a check-only pass
+    (:func:`grad_stats` with inv = :func:`inv_scale_of` scale), :func:`clip_factor_` from them,
+    then one multiply-or-pass of every element by the factor (as
+    :func:`non_finite_check_and_unscale_`).  Returns the float32 total norm."""
+    inv = 1.0 if scale is None else float(inv_scale_of(scale.cpu()).item())
+    rows = grad_stats(grads, inv, check_only=True)
+    table = torch.cat([torch.zeros(1, rows.shape[1], dtype=torch.float64), rows])
+    total, factor = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.float32)
+    state = None
+    if scale is not None:
+        state = torch.zeros(9, dtype=torch.int32)
+        state[0:1].view(torch.float32).copy_(scale.reshape(1).cpu())
+    clip_factor_(table, state, total, factor, max_norm, norm_type)
+    _unscale_(grads, float(factor.item()))
+    return total
 
 
 # ----------------------------------------------------------------------------- the scaler's state

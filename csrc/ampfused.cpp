@@ -10,4 +10,5 @@ TORCH_LIBRARY(ampfused, m) {
   m.def(ampfused::ops::unscale_update_scale_::kSchema);
   m.def(ampfused::ops::scaler_pass_::kSchema);
   m.def(ampfused::ops::scaler_update_::kSchema);
+  m.def(ampfused::ops::clip_factor_::kSchema);
 }

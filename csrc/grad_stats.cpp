@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "clip_math.h"
 #include "launch_table.h"
 #include "unscale_math.h"
 
@@ -30,7 +31,6 @@ std::tuple<at::Tensor, double> reduce_grad_stats(const at::Tensor& item_rows,
   at::Tensor out = at::zeros({static_cast<int64_t>(numels.size()), kStatFields}, at::kDouble);
   const double* in = item_rows.const_data_ptr<double>();
   double* o = out.mutable_data_ptr<double>();
-  double total = 0.0;
   for (const int64_t n : numels) {
     const int64_t items = (n + kChunkSize - 1) / kChunkSize;
     for (int64_t r = 0; r < items; ++r, in += kStatFields) {
@@ -38,10 +38,9 @@ std::tuple<at::Tensor, double> reduce_grad_stats(const at::Tensor& item_rows,
         o[f] = f == kStatAbsMax ? std::max(o[f], in[f]) : o[f] + in[f];
       }
     }
-    total += o[kStatSumSquares];
     o += kStatFields;
   }
-  return {out, total};
+  return {out, stat_total_rows(item_rows.const_data_ptr<double>(), rows).sum_squares};
 }
 
 }  // namespace ampfused

@@ -15,7 +15,8 @@ namespace ampfused {
 // tensor with R = sum of ceil(numel / kChunkSize) over `numels` (each gradient's element count,
 // zero-size ones included: they have no rows).  Returns float64 [numels.size(), kStatFields]:
 // per gradient its rows reduced in item order (sum_squares summed sequentially in float64,
-// counts summed, abs_max the max), and the total sum of squares (sequential over gradients).
+// counts summed, abs_max the max), and the total sum of squares over every row in clip_factor_'s
+// order (clip_math.h, stat_total_rows), so a report's total equals the clip's bit for bit.
 std::tuple<at::Tensor, double> reduce_grad_stats(const at::Tensor& item_rows,
                                                  const std::vector<int64_t>& numels);
 

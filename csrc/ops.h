@@ -84,5 +84,15 @@ struct scaler_update_ : Handle<scaler_update_> {
                          int64_t, double, double, int64_t);
 };
 
+// The total gradient norm and clip factor from a scaler_pass_ statistics table (clip.h).
+struct clip_factor_ : Handle<clip_factor_> {
+  static constexpr const char* kName = "ampfused::clip_factor_";
+  static constexpr const char* kSchema =
+      "ampfused::clip_factor_(Tensor grad_stats, Tensor? state, Tensor(a!) total_norm, "
+      "Tensor(b!) factor, float max_norm, float norm_type) -> ()";
+  using Signature = void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                         const at::Tensor&, double, double);
+};
+
 }  // namespace ops
 }  // namespace ampfused

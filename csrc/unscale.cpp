@@ -307,6 +307,7 @@ TORCH_LIBRARY_IMPL(ampfused, Autograd, m) {
   m.impl(ops::unscale_update_scale_::kName, &AutogradKernel<ops::unscale_update_scale_>::call);
   m.impl(ops::scaler_pass_::kName, &AutogradKernel<ops::scaler_pass_>::call);
   m.impl(ops::scaler_update_::kName, &AutogradKernel<ops::scaler_update_>::call);
+  m.impl(ops::clip_factor_::kName, &AutogradKernel<ops::clip_factor_>::call);
 }
 
 // A sparse argument routes the call to a sparse dispatch key; the shared kernels run there so

@@ -1,7 +1,13 @@
-// The CUDA key's kernels: the shared checks and parameters (unscale.h) with the CUDA launcher.
-// Host code, compiled by the C++ compiler: only launch_pass_cuda needs nvcc.
+// The CUDA key's kernels: the shared checks and parameters (unscale.h, clip.h) with the CUDA
+// launchers.
+// Host code, compiled by the C++ compiler: only the launchers need nvcc.
 #include <torch/library.h>
 
+#include "clip.h"
 #include "unscale.h"
 
-TORCH_LIBRARY_IMPL(ampfused, CUDA, m) { ampfused::register_kernels<ampfused::launch_pass_cuda>(m); }
+TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
+  ampfused::register_kernels<ampfused::launch_pass_cuda>(m);
+  m.impl(ampfused::ops::clip_factor_::kName,
+         &ampfused::clip_factor_kernel<ampfused::launch_clip_cuda>);
+}

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import (
+    bench_clip,
     bench_counts,
     bench_diagnostics,
     bench_e2e,
@@ -32,7 +33,7 @@ from benchmarks.suite import Context, Record
 from benchmarks.timing import FULL_TIMING, QUICK_TIMING, TIMING_MODES, batched
 from benchmarks.workloads import DTYPE_NAMES, MODELS
 
-QUESTIONS = ("step_cost", "diagnostics", "models", "counts", "sizes", "e2e")
+QUESTIONS = ("step_cost", "diagnostics", "clip", "models", "counts", "sizes", "e2e")
 
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive Python
@@ -43,6 +44,8 @@ the same run.  Questions:
   diagnostics  the scaler's pass with per-gradient statistics (watch, grad_norms()) vs the
              plain pass and vs torch's scaler + per-layer norms by hand (GPT-2 124M, 4 x 16M;
              100 to 3000 tiny tensors for the host cost), checked against the targets
+  clip       GradScaler.clip_grad_norm_ (unscale + clip, two passes) vs torch's unscale_ +
+             clip_grad_norm_ (GPT-2 124M, 4 x 16M, 1000 x 1K), checked against the target
   models     GPT-2 124M, Llama-style 1B (7B on GPU), ResNet-50, BERT-base, ViT-B/16 gradient
              sets x dtypes (fp32, fp16, bf16, mixed) x with/without an injected inf
   counts     1 to 10,000 tensors of 16 and 1024 elements
@@ -252,6 +255,8 @@ def plan_questions(run: Run) -> None:
         run.plan["step_cost"] = len(step_cost.WORKLOADS)
     if "diagnostics" in run.questions:
         run.plan["diagnostics"] = len(bench_diagnostics.workloads(ctx))
+    if "clip" in run.questions:
+        run.plan["clip"] = len(bench_clip.workloads(ctx))
     if "models" in run.questions:
         infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
         run.plan["models"], notes = bench_models.configs(ctx, args.workloads, args.dtypes, infs)
@@ -275,6 +280,10 @@ def run_step_cost(run: Run) -> None:
 
 def run_diagnostics(run: Run) -> None:
     run.records += bench_diagnostics.run(_target_ctx(run))
+
+
+def run_clip(run: Run) -> None:
+    run.records += bench_clip.run(_target_ctx(run))
 
 
 def run_models(run: Run) -> None:
@@ -303,6 +312,7 @@ def run_e2e(run: Run) -> None:
 QUESTION_STEPS = {
     "step_cost": run_step_cost,
     "diagnostics": run_diagnostics,
+    "clip": run_clip,
     "models": run_models,
     "counts": run_counts,
     "sizes": run_sizes,
@@ -383,6 +393,8 @@ def judge_targets(run: Run) -> None:
     cpu_t = tg.cpu_targets(run.records) if "step_cost" in run.questions else None
     if "diagnostics" in run.questions:
         cpu_t = (cpu_t or []) + tg.diagnostics_targets(run.records)
+    if "clip" in run.questions:
+        cpu_t = (cpu_t or []) + [tg.clip_target(run.records)]
     cpu_info = tg.never_slower(run.records) if run.records else None
     if cpu_t is not None and cpu_info is not None:
         cpu_info.name = "(info) never slower than torch"
@@ -401,6 +413,8 @@ def print_console(run: Run) -> None:
                 print(step_cost.table(recs))
             elif q == "diagnostics":
                 print(bench_diagnostics.table(recs))
+            elif q == "clip":
+                print(bench_clip.table(recs))
             else:
                 print(report.pivot(recs, run.gpu, "simple"))
     if run.e2e:

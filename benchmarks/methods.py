@@ -50,8 +50,8 @@ class _TorchScalerAllowFP16(torch.amp.GradScaler):
 class _AmpfusedScalerAllowFP16(ampfused.GradScaler):
     """ampfused's scaler with float16 grads allowed, as for torch (same private hook)."""
 
-    def _fused_found_inf(self, optimizer, check_only, allow_fp16):  # noqa: ANN001
-        return super()._fused_found_inf(optimizer, check_only, True)
+    def _fused_found_inf(self, optimizer, check_only, allow_fp16, **kw):  # noqa: ANN001
+        return super()._fused_found_inf(optimizer, check_only, True, **kw)
 
 
 class ScalerRunner(Runner):
@@ -134,6 +134,36 @@ class TorchNormsRunner(ScalerRunner):
         self.logged = logged
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+
+# --------------------------------------------------------------------------- clipping
+# Small enough that every set is clipped (the coefficient is applied either way, as in torch).
+CLIP_MAX_NORM = 1e-3
+
+
+class ClipRunner(ScalerRunner):
+    """``unscale_`` + clip by the total L2 norm + ``step`` + ``update``: with ``fused``,
+    ampfused's ``clip_grad_norm_(opt, max_norm)`` (a read pass for inf/NaN and the norm, one
+    multiply pass: 12 B per fp32 element); else torch's pair, ``unscale_`` then
+    ``torch.nn.utils.clip_grad_norm_`` (foreach: 8 + 4 + 8 = 20 B)."""
+
+    def __init__(self, gs: GradSet, fused: bool) -> None:
+        super().__init__(_ampfused_cls(gs) if fused else _torch_cls(gs), gs)
+        self.fused = fused
+        self.params = gs.params
+
+    def run(self) -> None:
+        if self.fused:
+            self.scaler.clip_grad_norm_(self.optimizer, CLIP_MAX_NORM)
+        else:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP_MAX_NORM, foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def bytes_moved(self, gs: GradSet) -> int:
+        per_fp32_element = 12 if self.fused else 20
+        return gs.workload.unscale_bytes * per_fp32_element // 8
 
 
 # --------------------------------------------------------------------------- raw ops
@@ -348,6 +378,26 @@ METHODS: dict[str, Method] = {
             "torch.amp.GradScaler: unscale_, torch._foreach_norm, .item() per layer and total, "
             "step + update",
             TorchNormsRunner,
+            _torch_na,
+            default=False,
+        ),
+        Method(
+            "ampfused-clip",
+            "ampfused.GradScaler.clip_grad_norm_",
+            "scaler",
+            "ampfused.GradScaler: clip_grad_norm_(opt, max_norm) (unscale + clip, two passes) + "
+            "step + update",
+            lambda gs: ClipRunner(gs, fused=True),
+            _ampfused_na,
+            default=False,
+        ),
+        Method(
+            "torch-clip",
+            "torch.amp.GradScaler + clip_grad_norm_",
+            "scaler",
+            "torch.amp.GradScaler: unscale_, torch.nn.utils.clip_grad_norm_ (foreach), step + "
+            "update",
+            lambda gs: ClipRunner(gs, fused=False),
             _torch_na,
             default=False,
         ),

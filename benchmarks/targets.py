@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import bench_diagnostics
+from benchmarks import bench_clip, bench_diagnostics
 from benchmarks.suite import Record
 
 
@@ -112,6 +112,24 @@ def diagnostics_targets(records: list[Record]) -> list[TargetResult]:
         out.append(TargetResult(name, req, f"{ratio:.3f}x", ratio <= bound, detail))
     out.append(_flat_host_cost(records))
     return out
+
+
+def clip_target(records: list[Record]) -> TargetResult:
+    """The issue's fused clip: clip_grad_norm_ through the scaler at least 1.5x faster than
+    torch's unscale_ + clip_grad_norm_ on GPT-2 124M fp32, the floor beside it."""
+    q, w = bench_clip.QUESTION, bench_clip.TARGET.name
+    clip, pair, floor = (
+        _get(records, q, w, m) for m in ("ampfused-clip", "torch-clip", "floor-mul")
+    )
+    name = f"clip {w} fp32"
+    req = f"clip_grad_norm_ >= {bench_clip.SPEEDUP_BOUND:g}x faster than torch's unscale_ + clip"
+    if clip is None or pair is None:
+        return TargetResult(name, req, "-", None, "not measured in this run")
+    speedup = pair.median_s / clip.median_s  # type: ignore[operator]
+    detail = f"fused {clip.median_s * 1e3:.2f} ms, torch's pair {pair.median_s * 1e3:.2f} ms"  # type: ignore[operator]
+    if floor is not None:
+        detail += f"; fused / floor {clip.median_s / floor.median_s:.2f}x (ideal 1.5x)"  # type: ignore[operator]
+    return TargetResult(name, req, f"{speedup:.2f}x", speedup >= bench_clip.SPEEDUP_BOUND, detail)
 
 
 def _flat_host_cost(records: list[Record]) -> TargetResult:

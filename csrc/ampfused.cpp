@@ -1,5 +1,5 @@
 // The dispatcher is the API: every ampfused op is defined here, from its schema in ops.h.
-// Contracts: unscale.h.
+// Contracts: unscale.h, clip.h, unscale_into.h.
 #include <torch/library.h>
 
 #include "ops.h"
@@ -11,4 +11,5 @@ TORCH_LIBRARY(ampfused, m) {
   m.def(ampfused::ops::scaler_pass_::kSchema);
   m.def(ampfused::ops::scaler_update_::kSchema);
   m.def(ampfused::ops::clip_factor_::kSchema);
+  m.def(ampfused::ops::unscale_into_::kSchema);
 }

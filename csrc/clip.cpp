@@ -69,10 +69,7 @@ void launch_clip_cpu(const ClipParams& p, const at::Tensor&) {
 namespace {
 
 [[maybe_unused]] void launch_clip_without_cuda(const ClipParams&, const at::Tensor& on_device) {
-  TORCH_CHECK(false, "ampfused was built without CUDA kernels, so it cannot process ",
-              on_device.device(),
-              " tensors; rebuild it where torch has CUDA and nvcc is found "
-              "(pip install --no-build-isolation .)");
+  refuse_without_cuda(on_device.device());
 }
 
 }  // namespace

@@ -119,9 +119,11 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       if (dtype == at::kHalf && !allow_fp16) {
         raise(PyExc_ValueError,
               "Attempting to unscale FP16 gradients. " + where(gi, i) +
-                  " has a float16 .grad: GradScaler unscales float32 master gradients. Keep the "
-                  "parameters in float32 and let torch.autocast run float16 math (do not call "
-                  "model.half()).");
+                  " has a float16 .grad: GradScaler unscales float32 master gradients. Either "
+                  "keep the parameters in float32 and let torch.autocast run float16 math (do "
+                  "not call model.half()), or keep float32 masters of the float16 parameters: "
+                  "optimizer = ampfused.MasterWeights(optimizer). (GradScaler(allow_fp16=True) "
+                  "unscales float16 gradients in place, at a precision cost.)");
       }
       const at::Layout layout = grad.layout();
       const bool kernel_dtype = is_grad_dtype(dtype);

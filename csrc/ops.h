@@ -84,6 +84,15 @@ struct scaler_update_ : Handle<scaler_update_> {
                          int64_t, double, double, int64_t);
 };
 
+// float16/bfloat16/float32 gradients unscaled into float32 outputs (unscale_into.h).
+struct unscale_into_ : Handle<unscale_into_> {
+  static constexpr const char* kName = "ampfused::unscale_into_";
+  static constexpr const char* kSchema =
+      "ampfused::unscale_into_(Tensor[] grads, Tensor(a!)[] out, Tensor(b!) found_inf, "
+      "Tensor inv_scale) -> ()";
+  using Signature = void(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&);
+};
+
 // The total gradient norm and clip factor from a scaler_pass_ statistics table (clip.h).
 struct clip_factor_ : Handle<clip_factor_> {
   static constexpr const char* kName = "ampfused::clip_factor_";

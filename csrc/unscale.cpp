@@ -127,6 +127,12 @@ PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
   return p;
 }
 
+void refuse_without_cuda(const at::Device& device) {
+  TORCH_CHECK(false, "ampfused was built without CUDA kernels, so it cannot process ", device,
+              " tensors; rebuild it where torch has CUDA and nvcc is found "
+              "(pip install --no-build-isolation .)");
+}
+
 namespace {
 
 // True when no two elements of t share a memory location.  Sufficient test (the usual sorted
@@ -211,10 +217,7 @@ namespace {
 // this says why nothing runs.
 [[maybe_unused]] void launch_pass_without_cuda(const std::vector<Span>&, const PassParams&,
                                                const at::Tensor& on_device) {
-  TORCH_CHECK(false, "ampfused was built without CUDA kernels, so it cannot process ",
-              on_device.device(),
-              " tensors; rebuild it where torch has CUDA and nvcc is found "
-              "(pip install --no-build-isolation .)");
+  refuse_without_cuda(on_device.device());
 }
 
 // Sparse keys: a sparse argument always fails its layout check before anything launches.
@@ -308,6 +311,7 @@ TORCH_LIBRARY_IMPL(ampfused, Autograd, m) {
   m.impl(ops::scaler_pass_::kName, &AutogradKernel<ops::scaler_pass_>::call);
   m.impl(ops::scaler_update_::kName, &AutogradKernel<ops::scaler_update_>::call);
   m.impl(ops::clip_factor_::kName, &AutogradKernel<ops::clip_factor_>::call);
+  m.impl(ops::unscale_into_::kName, &AutogradKernel<ops::unscale_into_>::call);
 }
 
 // A sparse argument routes the call to a sparse dispatch key; the shared kernels run there so

@@ -102,6 +102,9 @@ void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& params,
                       const at::Tensor& any_device_tensor);
 #endif
 
+// The CUDA key's kernels in a build without CUDA: a RuntimeError saying how to rebuild.
+void refuse_without_cuda(const at::Device& device);
+
 // Shared by every backend's kernels (unscale.cpp).  Each check raises before anything is
 // written, with the exception type the contract above gives.
 at::Device check_found_inf(const at::Tensor& found_inf);  // returns the pass's device

@@ -210,6 +210,18 @@ AMPFUSED_INLINE uint32_t visit(T& x, opmath_t<T> inv, bool inv_is_one) {
   return non_finite(v);
 }
 
+// One gradient element unscaled out of place into float32 (unscale_into_, unscale_into.h: float16
+// model gradients into float32 master gradients): `out` becomes the input in opmath, unscaled by
+// the multiply-or-pass rule, and the result is 1 if the *input* is inf/NaN.  float16, bfloat16
+// and float32 widen to float exactly, so this is torch's `out.copy_(g); out.mul_(inv_scale)`.
+template <typename T>
+AMPFUSED_INLINE uint32_t visit_into(T x, float& out, float inv, bool inv_is_one) {
+  static_assert(std::is_same_v<opmath_t<T>, float>, "unscale_into_ writes float32");
+  const float v = to_opmath(x);
+  out = unscaled(v, inv, inv_is_one);
+  return non_finite(v);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per pass
 

@@ -1,0 +1,103 @@
+// CUDA kernel of unscale_into_ (contract: unscale_into.h).
+//
+// The spans are cut into items of at most kChunkSize elements (input pointer, output pointer,
+// count, dtype: 24 bytes) that travel by value in the kernel parameters, kIntoCapacity per
+// launch; block b of a launch takes item b, its threads striding through it, so consecutive
+// threads read and write consecutive elements.  Per element: visit_into (unscale_math.h, the
+// same function the CPU kernel runs).  found_inf is set, never cleared, so blocks and launches
+// need no hand-off: every block that saw inf/NaN stores 1.0 (a benign race).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+
+#include "cuda/multi_tensor_apply.cuh"
+#include "unscale_into.h"
+#include "unscale_math.h"
+
+namespace ampfused {
+namespace cuda {
+namespace {
+
+struct IntoItem {
+  const void* in;
+  float* out;
+  uint32_t numel;  // 1..kChunkSize
+  int32_t dtype;   // c10::ScalarType: Half, BFloat16 or Float
+};
+static_assert(sizeof(IntoItem) == 24, "IntoItem is a 24-byte kernel parameter record");
+
+constexpr int kIntoCapacity = 1024;
+constexpr int kIntoBlockSize = 256;
+
+struct IntoArgs {
+  const float* inv_scale;
+  float* found_inf;
+  IntoItem items[kIntoCapacity];  // gridDim.x of them are set
+};
+static_assert(sizeof(IntoArgs) <= kMaxKernelParamBytes, "kernel parameters over the CUDA limit");
+
+template <typename T>
+__device__ uint32_t into_item(const IntoItem& w, float inv, bool inv_is_one) {
+  const T* in = static_cast<const T*>(w.in);
+  float* out = w.out;
+  uint32_t bad = 0;
+  const int n = static_cast<int>(w.numel);
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += kIntoBlockSize) {
+    bad |= visit_into(in[i], out[i], inv, inv_is_one);
+  }
+  return bad;
+}
+
+__global__ void __launch_bounds__(kIntoBlockSize)
+    unscale_into_kernel(const __grid_constant__ IntoArgs k) {
+  const IntoItem& w = k.items[blockIdx.x];  // uniform across the block: no divergence below
+  const float inv = *k.inv_scale;
+  const bool inv_is_one = inv == 1.0f;
+  uint32_t bad = 0;
+  switch (static_cast<c10::ScalarType>(w.dtype)) {
+    case c10::ScalarType::Half:
+      bad = into_item<c10::Half>(w, inv, inv_is_one);
+      break;
+    case c10::ScalarType::BFloat16:
+      bad = into_item<c10::BFloat16>(w, inv, inv_is_one);
+      break;
+    default:  // Float: the host admits nothing else
+      bad = into_item<float>(w, inv, inv_is_one);
+      break;
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *k.found_inf = 1.0f;
+}
+
+}  // namespace
+}  // namespace cuda
+
+void launch_into_cuda(const std::vector<IntoSpan>& spans, const float* inv_scale, float* found_inf,
+                      const at::Tensor& on_device) {
+  const c10::cuda::CUDAGuard guard(on_device.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(on_device.get_device()).stream();
+  cuda::IntoArgs k;  // items past the launch's count stay unset: no block reads them
+  k.inv_scale = inv_scale;
+  k.found_inf = found_inf;
+  int count = 0;
+  const auto flush = [&] {
+    cuda::unscale_into_kernel<<<count, cuda::kIntoBlockSize, 0, stream>>>(k);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    count = 0;
+  };
+  for (const IntoSpan& s : spans) {
+    const size_t elem = c10::elementSize(s.dtype);
+    for (int64_t b = 0; b < s.numel; b += kChunkSize) {
+      k.items[count++] = {static_cast<const char*>(s.in) + b * elem, s.out + b,
+                          static_cast<uint32_t>(std::min(kChunkSize, s.numel - b)),
+                          static_cast<int32_t>(s.dtype)};
+      if (count == cuda::kIntoCapacity) flush();
+    }
+  }
+  if (count > 0) flush();
+}
+
+}  // namespace ampfused

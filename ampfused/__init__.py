@@ -19,8 +19,17 @@ except ImportError as e:  # pragma: no cover - exercised by hand
 
 from ampfused import ops, reference  # noqa: E402
 from ampfused.grad_scaler import GradScaler, OptState  # noqa: E402
+from ampfused.master_weights import MasterWeights  # noqa: E402
 
 __version__ = "0.1.0"
 WITH_CUDA: bool = bool(_C.with_cuda)
 
-__all__ = ["GradScaler", "OptState", "ops", "reference", "WITH_CUDA", "__version__"]
+__all__ = [
+    "GradScaler",
+    "MasterWeights",
+    "OptState",
+    "ops",
+    "reference",
+    "WITH_CUDA",
+    "__version__",
+]

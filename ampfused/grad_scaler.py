@@ -61,6 +61,7 @@ from ampfused._torch_private import (
     tensor_version,
 )
 from ampfused.diagnostics import StepReport
+from ampfused.master_weights import MasterWeights
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -427,6 +428,13 @@ class GradScaler(torch.amp.GradScaler):
             loss scaling: the scale stays 1.0, every pass only checks (gradients are never
             written, float16 ones included), and a step with inf/NaN is still skipped, with the
             counters and :meth:`watch` as usual.  No host sync with fused optimizers.
+        allow_fp16: True unscales float16 gradients in place instead of raising torch's
+            ``ValueError: Attempting to unscale FP16 gradients``.  Only for those who know the
+            risk: dividing by the scale pushes small float16 gradients into subnormals or zero
+            (up to 24 bits lost below 2**-14), and an optimizer stepping float16 parameters drops
+            every update under half their ulp, so training can stall silently.  The supported
+            ways: float32 parameters under ``torch.autocast``, or float16 parameters with
+            float32 masters (:class:`ampfused.MasterWeights`).
 
     Raises:
         AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch).
@@ -452,9 +460,12 @@ class GradScaler(torch.amp.GradScaler):
         hysteresis: int = 1,
         at_min_scale: str = "clamp",
         scaling: bool = True,
+        allow_fp16: bool = False,
     ) -> None:
         if type(scaling) is not bool:
             raise TypeError(f"GradScaler: scaling must be True or False, got {scaling!r}")
+        if type(allow_fp16) is not bool:
+            raise TypeError(f"GradScaler: allow_fp16 must be True or False, got {allow_fp16!r}")
         if not scaling and (min_scale is not None or max_scale is not None or hysteresis != 1):
             raise ValueError(
                 "GradScaler(scaling=False) keeps the scale at 1.0, so min_scale, max_scale and "
@@ -490,6 +501,7 @@ class GradScaler(torch.amp.GradScaler):
             ):
                 _check_update_arg("GradScaler", name, value)
         self._scaling = scaling
+        self._allow_fp16 = allow_fp16
         if not scaling:
             # The guard: the scale is 1.0 and factors of 1.0 keep it there through torch's rule
             # and ours alike; passes only check (nothing is written) and steps with inf/NaN are
@@ -510,6 +522,8 @@ class GradScaler(torch.amp.GradScaler):
                         f"({name}={bound!r}); pass an init_scale from min_scale to max_scale"
                     )
         self._set_policy(*policy)
+
+    _allow_fp16 = False  # scalers pickled before the option existed
 
     def _init_fused_state(self) -> None:
         # _state (int32, _STATE_SIZE elements: ScalerState in csrc/unscale_math.h) owns _scale
@@ -788,6 +802,13 @@ class GradScaler(torch.amp.GradScaler):
         assert scale is not None and tracker is not None
         if not (scale.is_cuda or scale.is_cpu):
             return None
+        if isinstance(optimizer, MasterWeights):
+            # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
+            # casts them unscaled, for an optimizer that divides by the scale itself).
+            if self._watch is not None:
+                self._watch.not_covered("a MasterWeights optimizer's pass")
+            inv = torch.ones((), dtype=torch.float32, device=scale.device)
+            return optimizer._grads_to_masters(inv if check_only else self._inv_scale())
         if type(self)._unscale_grads_ is not GradScaler._unscale_grads_:
             # A subclass hooks the unscale (e.g. to all-reduce found_inf, as sharded scalers
             # do): torch's unscale_/_check_inf_per_device call it, so take that path.
@@ -821,7 +842,7 @@ class GradScaler(torch.amp.GradScaler):
                 inv_scale = scale.double().reciprocal().float()
             found_inf = torch.zeros((), dtype=torch.float32, device=dev)
             if self._watch is not None:
-                self._watch.not_covered()
+                self._watch.not_covered("torch's own unscale path")
             return torch.amp.GradScaler._unscale_grads_(
                 self, _ParamGroups(groups), inv_scale, found_inf, allow_fp16
             )
@@ -851,6 +872,7 @@ class GradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         # torch's contract, one launch per device instead of one per (device, dtype), and no
         # Python loop over parameters.
+        allow_fp16 = allow_fp16 or self._allow_fp16
         if inv_scale.device.type in _KERNEL_DEVICES:
             groups = _read_param_groups(optimizer)
             result = _C.unscale_grads(groups, inv_scale, found_inf, allow_fp16)
@@ -886,7 +908,9 @@ class GradScaler(torch.amp.GradScaler):
             )
         # Without scaling there is nothing to divide: the pass only checks (float16 included).
         scaling = self._scaling
-        found = self._fused_found_inf(optimizer, check_only=not scaling, allow_fp16=not scaling)
+        found = self._fused_found_inf(
+            optimizer, check_only=not scaling, allow_fp16=not scaling or self._allow_fp16
+        )
         if found is None:
             super().unscale_(optimizer)  # torch's path (its own stage checks pass: still READY)
             return
@@ -960,6 +984,8 @@ class GradScaler(torch.amp.GradScaler):
                 "clip_grad_norm_() is being called after step(). Clip before step(): "
                 "scaler.clip_grad_norm_(optimizer, max_norm), then scaler.step(optimizer)."
             )
+        if isinstance(optimizer, MasterWeights) and optimizer_state["stage"] is _READY:
+            self.unscale_(optimizer)  # into the masters' float32 gradients, then clip those
         unscaled = optimizer_state["stage"] is _UNSCALED
         tables: list = []
         if norm_type not in _TABLE_NORMS:
@@ -968,7 +994,10 @@ class GradScaler(torch.amp.GradScaler):
             found = self._unit_pass(optimizer, tables)
         else:
             found = self._fused_found_inf(
-                optimizer, check_only=True, allow_fp16=not self._scaling, tables=tables
+                optimizer,
+                check_only=True,
+                allow_fp16=not self._scaling or self._allow_fp16,
+                tables=tables,
             )
         if found is not None and not unscaled:
             optimizer_state["found_inf_per_device"] = found
@@ -1542,14 +1571,14 @@ class _Watch:
         self.log_skipped = log_skipped
         self.warned = False
 
-    def not_covered(self) -> None:
+    def not_covered(self, path: str) -> None:
         if not self.warned:
             self.warned = True
             warnings.warn(
-                "ampfused GradScaler.watch: some gradients went through torch's own unscale "
-                "path (tensor subclasses such as DTensor, a device without ampfused kernels, or "
-                "a subclass overriding _unscale_grads_), which records no statistics: report() "
-                "and grad_norms() do not cover that optimizer's gradients",
+                f"ampfused GradScaler.watch: some gradients went through {path} (tensor "
+                "subclasses such as DTensor, a device without ampfused kernels, a subclass "
+                "overriding _unscale_grads_, or MasterWeights), which records no statistics: "
+                "report() and grad_norms() do not cover that optimizer's gradients",
                 RuntimeWarning,
                 stacklevel=4,
             )

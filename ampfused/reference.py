@@ -8,6 +8,7 @@ gradients (overlapping ones are covered by the ops' own tests).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -69,6 +70,42 @@ def non_finite_check_and_unscale_(
 def non_finite_check_(grads: list[Tensor], found_inf: Tensor) -> None:
     if _any_non_finite(grads):
         found_inf.fill_(1.0)
+
+
+def unscale_into_(
+    grads: list[Tensor], out: list[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
+    """Each gradient widened to float32 into its out tensor, then unscaled there (multiply-or-
+    pass); found_inf from the inputs (widening is exact, so the same test)."""
+    for g, o in zip(grads, out, strict=True):
+        o.copy_(g)
+    non_finite_check_and_unscale_(out, found_inf, inv_scale)
+
+
+def master_weights_step(
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    params: list[Tensor],
+    masters: list[Tensor],
+    before_step: Callable[[], object] | None = None,
+) -> None:
+    """One step of the float32-master recipe, with torch's own scaler, in plain PyTorch.
+
+    ``optimizer`` is built over ``masters`` (float32 copies of the low-precision ``params``,
+    e.g. ``p.detach().float().requires_grad_()``).  Cast each parameter's gradient to its
+    master's (``.float()``, exact), let ``scaler`` unscale and step the masters as it would any
+    float32 model (``before_step``, e.g. ``scaler.unscale_`` then clipping, runs first), then
+    copy the masters back to the parameters, rounded.  ampfused.MasterWeights with
+    ampfused.GradScaler gives the same bits (tests/test_master_weights.py).
+    """
+    for p, m in zip(params, masters, strict=True):
+        m.grad = None if p.grad is None else p.grad.float()
+    if before_step is not None:
+        before_step()
+    scaler.step(optimizer)
+    with torch.no_grad():
+        for p, m in zip(params, masters, strict=True):
+            p.copy_(m)
 
 
 def unscale_update_scale_(

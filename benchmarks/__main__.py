@@ -20,6 +20,7 @@ from benchmarks import (
     bench_counts,
     bench_diagnostics,
     bench_e2e,
+    bench_masters,
     bench_models,
     bench_sizes,
     report,
@@ -33,7 +34,7 @@ from benchmarks.suite import Context, Record
 from benchmarks.timing import FULL_TIMING, QUICK_TIMING, TIMING_MODES, batched
 from benchmarks.workloads import DTYPE_NAMES, MODELS
 
-QUESTIONS = ("step_cost", "diagnostics", "clip", "models", "counts", "sizes", "e2e")
+QUESTIONS = ("step_cost", "diagnostics", "clip", "masters", "models", "counts", "sizes", "e2e")
 
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive Python
@@ -46,6 +47,8 @@ the same run.  Questions:
              100 to 3000 tiny tensors for the host cost), checked against the targets
   clip       GradScaler.clip_grad_norm_ (unscale + clip, two passes) vs torch's unscale_ +
              clip_grad_norm_ (GPT-2 124M, 4 x 16M, 1000 x 1K), checked against the target
+  masters    float16 parameters with float32 masters: MasterWeights + GradScaler vs the recipe
+             by hand with torch's scaler (GPT-2 124M, 4 x 16M, 1000 x 1K, float16)
   models     GPT-2 124M, Llama-style 1B (7B on GPU), ResNet-50, BERT-base, ViT-B/16 gradient
              sets x dtypes (fp32, fp16, bf16, mixed) x with/without an injected inf
   counts     1 to 10,000 tensors of 16 and 1024 elements
@@ -223,10 +226,10 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
             )
         )
     run.notes.append(
-        "float16 and mixed workloads: both scalers run with allow_fp16=True through their "
-        "private hooks (torch's _unscale_grads_, ampfused's _fused_found_inf); the public "
-        "unscale_ raises ValueError for float16 grads, as in torch. mixed = each tensor fp32, bf16 "
-        "or fp16 at random (fixed seed)."
+        "float16 and mixed workloads: both scalers unscale float16 grads in place, torch's "
+        "through its private _unscale_grads_(allow_fp16=True), ampfused's with "
+        "GradScaler(allow_fp16=True); by default unscale_ raises ValueError for float16 grads, "
+        "as in torch. mixed = each tensor fp32, bf16 or fp16 at random (fixed seed)."
     )
     if run.gpu:
         run.notes.append(
@@ -257,6 +260,8 @@ def plan_questions(run: Run) -> None:
         run.plan["diagnostics"] = len(bench_diagnostics.workloads(ctx))
     if "clip" in run.questions:
         run.plan["clip"] = len(bench_clip.workloads(ctx))
+    if "masters" in run.questions:
+        run.plan["masters"] = len(bench_masters.workloads(ctx))
     if "models" in run.questions:
         infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
         run.plan["models"], notes = bench_models.configs(ctx, args.workloads, args.dtypes, infs)
@@ -286,6 +291,10 @@ def run_clip(run: Run) -> None:
     run.records += bench_clip.run(_target_ctx(run))
 
 
+def run_masters(run: Run) -> None:
+    run.records += bench_masters.run(_target_ctx(run))
+
+
 def run_models(run: Run) -> None:
     run.records += bench_models.run(run.ctx, run.plan["models"])
 
@@ -313,6 +322,7 @@ QUESTION_STEPS = {
     "step_cost": run_step_cost,
     "diagnostics": run_diagnostics,
     "clip": run_clip,
+    "masters": run_masters,
     "models": run_models,
     "counts": run_counts,
     "sizes": run_sizes,
@@ -415,6 +425,8 @@ def print_console(run: Run) -> None:
                 print(bench_diagnostics.table(recs))
             elif q == "clip":
                 print(bench_clip.table(recs))
+            elif q == "masters":
+                print(bench_masters.table(recs))
             else:
                 print(report.pivot(recs, run.gpu, "simple"))
     if run.e2e:

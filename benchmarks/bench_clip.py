@@ -57,10 +57,12 @@ def _gbs(r: Record | None) -> str:
     return "-" if r is None or not r.ok or r.gbps is None else f"{r.gbps:.1f}"
 
 
-def table(records: list[Record], tablefmt: str = "simple") -> str:
-    """One row per workload: each method's median step, torch's pair over the fused clip, the
-    fused clip over the floor and over the plain unscale step, and both clips' GB/s (bytes each
-    moves: 12 and 20 per fp32 element)."""
+def comparison(
+    records: list[Record], names: tuple[str, ...], ratio_headers: list[str], tablefmt: str
+) -> str:
+    """One row per workload: each method's median step (names: the fused method, torch's way,
+    the plain ampfused step, the floor), torch's way over the fused one, the fused one over the
+    floor and over the plain step, and both GB/s (the bytes each moves)."""
     groups: dict[tuple, dict[str, Record]] = {}
     for r in records:
         groups.setdefault((r.workload, r.dtype, r.realloc), {})[r.method] = r
@@ -68,27 +70,29 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
     for by in groups.values():
         any_r = next(iter(by.values()))
         ok = {m: r for m, r in by.items() if r.ok}
-        clip, pair, plain, floor = (ok.get(m) for m in METHOD_NAMES)
+        fused, torch_way, plain, floor = (ok.get(m) for m in names)
         rows.append(
             [
                 any_r.label,
                 any_r.n_tensors,
                 f"{any_r.grad_bytes / 1e6:.1f}",
-                *(_cell(by.get(m)) for m in METHOD_NAMES),
-                _ratio(pair, clip),
-                _ratio(clip, floor),
-                _ratio(clip, plain),
-                f"{_gbs(clip)} / {_gbs(pair)}",
+                *(_cell(by.get(m)) for m in names),
+                _ratio(torch_way, fused),
+                _ratio(fused, floor),
+                _ratio(fused, plain),
+                f"{_gbs(fused)} / {_gbs(torch_way)}",
             ]
         )
+    headers = ["gradients", "tensors", "MB", *names, *ratio_headers]
+    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+
+
+def table(records: list[Record], tablefmt: str = "simple") -> str:
+    """The clip comparison; GB/s from 12 and 20 bytes per fp32 element."""
     headers = [
-        "gradients",
-        "tensors",
-        "MB",
-        *METHOD_NAMES,
         "torch pair / fused clip",
         "fused clip / floor",
         "fused clip / unscale step",
         "GB/s fused / pair",
     ]
-    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    return comparison(records, METHOD_NAMES, headers, tablefmt)

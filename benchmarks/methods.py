@@ -13,6 +13,8 @@ floor kind:  the memory floor over the same bytes (an in-place multiply; a devic
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +22,7 @@ import torch
 
 import ampfused
 from benchmarks.env import amp_C, is_gpu, multi_tensor_applier
-from benchmarks.workloads import INIT_SCALE, GradSet, Workload
+from benchmarks.workloads import INIT_SCALE, GradSet, NoOpOptimizer, Workload
 
 GROWTH, BACKOFF, INTERVAL = 2.0, 0.5, 2000
 
@@ -47,15 +49,12 @@ class _TorchScalerAllowFP16(torch.amp.GradScaler):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
-class _AmpfusedScalerAllowFP16(ampfused.GradScaler):
-    """ampfused's scaler with float16 grads allowed, as for torch (same private hook)."""
-
-    def _fused_found_inf(self, optimizer, check_only, allow_fp16, **kw):  # noqa: ANN001
-        return super()._fused_found_inf(optimizer, check_only, True, **kw)
+# ampfused's scaler with float16 grads allowed (its public ``allow_fp16``), as for torch.
+_ampfused_allow_fp16 = functools.partial(ampfused.GradScaler, allow_fp16=True)
 
 
 class ScalerRunner(Runner):
-    def __init__(self, cls: type[torch.amp.GradScaler], gs: GradSet) -> None:
+    def __init__(self, cls: Callable[..., torch.amp.GradScaler], gs: GradSet) -> None:
         self.scaler = cls(gs.device.type, init_scale=INIT_SCALE)
         # scale() creates _scale and _growth_tracker on the device, as in training.
         self.scaler.scale(torch.ones((), device=gs.device))
@@ -72,8 +71,8 @@ class ScalerRunner(Runner):
         self.scaler.update()
 
 
-def _ampfused_cls(gs: GradSet) -> type[torch.amp.GradScaler]:
-    return _AmpfusedScalerAllowFP16 if gs.workload.has(torch.float16) else ampfused.GradScaler
+def _ampfused_cls(gs: GradSet) -> Callable[..., torch.amp.GradScaler]:
+    return _ampfused_allow_fp16 if gs.workload.has(torch.float16) else ampfused.GradScaler
 
 
 def _torch_cls(gs: GradSet) -> type[torch.amp.GradScaler]:
@@ -164,6 +163,43 @@ class ClipRunner(ScalerRunner):
     def bytes_moved(self, gs: GradSet) -> int:
         per_fp32_element = 12 if self.fused else 20
         return gs.workload.unscale_bytes * per_fp32_element // 8
+
+
+# --------------------------------------------------------------------------- master weights
+class MastersRunner(ScalerRunner):
+    """float16 parameters stepped through float32 masters: ``unscale_`` + ``step`` + ``update``
+    with a no-op inner optimizer.  With ``fused``, ``ampfused.MasterWeights`` and
+    ``ampfused.GradScaler``: one pass reads each float16 gradient and writes its master's float32
+    gradient unscaled (2 + 4 B per element), the step copies the masters back (4 + 2 B): 12 B.
+    Else the recipe with torch's scaler: cast the gradients (``_foreach_copy_``, 6 B), torch's
+    ``unscale_`` of the masters' gradients (8 B), copy back (6 B): 20 B."""
+
+    def __init__(self, gs: GradSet, fused: bool) -> None:
+        super().__init__(ampfused.GradScaler if fused else torch.amp.GradScaler, gs)
+        self.fused = fused
+        self.params, self.grads = gs.params, gs.grads
+        if fused:
+            self.optimizer = ampfused.MasterWeights(NoOpOptimizer(gs.params))
+            return
+        self.masters = [p.detach().float() for p in gs.params]
+        self.master_grads = [torch.empty_like(m) for m in self.masters]
+        for m, g in zip(self.masters, self.master_grads, strict=True):
+            m.grad = g
+        self.optimizer = NoOpOptimizer(self.masters)
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if not self.fused:
+            torch._foreach_copy_(self.master_grads, self.grads)
+        self.scaler.unscale_(self.optimizer)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if not self.fused:
+            torch._foreach_copy_(self.params, self.masters)
+
+    def bytes_moved(self, gs: GradSet) -> int:
+        # unscale_bytes is 4 B per float16 element (read + write)
+        return gs.workload.unscale_bytes * (12 if self.fused else 20) // 4
 
 
 # --------------------------------------------------------------------------- raw ops
@@ -281,6 +317,23 @@ class ForeachMulFloor(Runner):
             torch._foreach_mul_(grads, 1.0 / INIT_SCALE)
 
 
+class MastersFloor(Runner):
+    """The bytes a master-weights step cannot avoid: every float16 gradient read and written
+    as float32 (the cast in), every float32 master read and written as float16 (the copy back);
+    two ``copy_`` over flat buffers, 12 B per element."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.low = gs.flats[torch.float16]
+        self.high = torch.empty_like(self.low, dtype=torch.float32)
+
+    def run(self) -> None:
+        self.high.copy_(self.low)
+        self.low.copy_(self.high)
+
+    def bytes_moved(self, gs: GradSet) -> int:
+        return 6 * (self.low.numel() + self.high.numel())
+
+
 class CopyFloor(Runner):
     """A device-to-device copy of the gradient buffers (one ``copy_`` per dtype): the bandwidth
     ceiling of any read+write pass."""
@@ -327,9 +380,18 @@ def _copy_na(w: Workload, d: torch.device) -> str | None:
     return None
 
 
+def _float16_only_na(w: Workload, d: torch.device) -> str | None:
+    if set(w.dtypes()) != {torch.float16} or w.realloc:
+        return "master weights are measured on float16 gradient sets (same gradients)"
+    return None
+
+
 def _ampfused_na(w: Workload, d: torch.device) -> str | None:
-    if w.has(torch.float16) and not hasattr(ampfused.GradScaler, "_fused_found_inf"):
-        return "float16 grads: the scaler raises ValueError (no allow_fp16 hook)"
+    if (
+        w.has(torch.float16)
+        and "allow_fp16" not in inspect.signature(ampfused.GradScaler).parameters
+    ):
+        return "float16 grads: the scaler raises ValueError (no allow_fp16 option)"
     return None
 
 
@@ -402,6 +464,27 @@ METHODS: dict[str, Method] = {
             default=False,
         ),
         Method(
+            "ampfused-masters",
+            "ampfused.MasterWeights",
+            "scaler",
+            "ampfused.MasterWeights(no-op optimizer) + ampfused.GradScaler: unscale_ (float16 "
+            "gradients into float32 master gradients, one pass), step (copies the masters back) "
+            "+ update",
+            lambda gs: MastersRunner(gs, fused=True),
+            _float16_only_na,
+            default=False,
+        ),
+        Method(
+            "torch-masters",
+            "torch.amp.GradScaler + masters by hand",
+            "scaler",
+            "float32 masters by hand: _foreach_copy_ of the gradients, torch.amp.GradScaler "
+            "unscale_ + step + update, _foreach_copy_ of the masters back",
+            lambda gs: MastersRunner(gs, fused=False),
+            _float16_only_na,
+            default=False,
+        ),
+        Method(
             "ampfused-op",
             "ampfused.ops.unscale_update_scale_",
             "op",
@@ -439,6 +522,15 @@ METHODS: dict[str, Method] = {
             "floor",
             "memory floor: in-place torch._foreach_mul_ over the same gradients",
             ForeachMulFloor,
+        ),
+        Method(
+            "floor-masters",
+            "floor: cast in + copy back",
+            "floor",
+            "memory floor of a master-weights step: float16 -> float32 copy and back, flat buffers",
+            MastersFloor,
+            _float16_only_na,
+            default=False,
         ),
         Method(
             "floor-copy",

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from benchmarks import bench_clip, bench_diagnostics  # noqa: E402
+from benchmarks import bench_clip, bench_diagnostics, bench_masters  # noqa: E402
 from benchmarks.fmt import fmt_bytes, fmt_gbps, fmt_time, fmt_x  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.suite import Record  # noqa: E402
@@ -37,6 +37,7 @@ QUESTION_TITLES = {
     "step_cost": "Per-step scaler cost on the target gradient sets",
     "diagnostics": "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
     "clip": "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_",
+    "masters": "float16 model, float32 masters: MasterWeights vs the recipe by hand",
     "models": "Model gradient sets",
     "counts": "Tensor-count sweep",
     "sizes": "Tensor-size sweep (8 tensors per size)",
@@ -483,6 +484,8 @@ def markdown(
             md.append(bench_diagnostics.table(recs, "github") + "\n")
         elif q == "clip":
             md.append(bench_clip.table(recs, "github") + "\n")
+        elif q == "masters":
+            md.append(bench_masters.table(recs, "github") + "\n")
         else:
             md.append(pivot(recs, gpu, "github") + "\n")
     if e2e:

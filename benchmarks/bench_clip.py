@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from benchmarks.fmt import fmt_time
+from benchmarks.fmt import by_workload, fmt_cell, fmt_ratio
 from benchmarks.methods import METHODS
 from benchmarks.suite import Context, Record, run_workload
 from benchmarks.workloads import Workload, gpt2_124m, uniform
@@ -32,25 +32,20 @@ def workloads(ctx: Context) -> list[Workload]:
     return [TARGET, *OTHERS] + ([] if ctx.quick else [MIXED])
 
 
-def run(ctx: Context) -> list[Record]:
+def run_question(
+    ctx: Context, question: str, sets: list[Workload], names: tuple[str, ...]
+) -> list[Record]:
+    """Each workload with the named methods present on the device, ticking the progress bar."""
     records: list[Record] = []
-    for w in workloads(ctx):
-        methods = [METHODS[n] for n in METHOD_NAMES if METHODS[n].present(ctx.device)]
-        records += run_workload(ctx, QUESTION, w, methods)
+    for w in sets:
+        methods = [METHODS[n] for n in names if METHODS[n].present(ctx.device)]
+        records += run_workload(ctx, question, w, methods)
         ctx.tick()
     return records
 
 
-def _ratio(x: Record | None, y: Record | None) -> str:
-    if x is None or y is None:
-        return "-"
-    return f"{x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
-
-
-def _cell(r: Record | None) -> str:
-    if r is None:
-        return "-"
-    return fmt_time(r.median_s) if r.ok else r.status
+def run(ctx: Context) -> list[Record]:
+    return run_question(ctx, QUESTION, workloads(ctx), METHOD_NAMES)
 
 
 def _gbs(r: Record | None) -> str:
@@ -63,23 +58,16 @@ def comparison(
     """One row per workload: each method's median step (names: the fused method, torch's way,
     the plain ampfused step, the floor), torch's way over the fused one, the fused one over the
     floor and over the plain step, and both GB/s (the bytes each moves)."""
-    groups: dict[tuple, dict[str, Record]] = {}
-    for r in records:
-        groups.setdefault((r.workload, r.dtype, r.realloc), {})[r.method] = r
     rows = []
-    for by in groups.values():
-        any_r = next(iter(by.values()))
-        ok = {m: r for m, r in by.items() if r.ok}
+    for cells, by, ok in by_workload(records):
         fused, torch_way, plain, floor = (ok.get(m) for m in names)
         rows.append(
             [
-                any_r.label,
-                any_r.n_tensors,
-                f"{any_r.grad_bytes / 1e6:.1f}",
-                *(_cell(by.get(m)) for m in names),
-                _ratio(torch_way, fused),
-                _ratio(fused, floor),
-                _ratio(fused, plain),
+                *cells,
+                *(fmt_cell(by.get(m)) for m in names),
+                fmt_ratio(torch_way, fused),
+                fmt_ratio(fused, floor),
+                fmt_ratio(fused, plain),
                 f"{_gbs(fused)} / {_gbs(torch_way)}",
             ]
         )

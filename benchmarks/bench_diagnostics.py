@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from benchmarks.fmt import fmt_time
+from benchmarks.fmt import by_workload, fmt_cell, fmt_ratio
 from benchmarks.methods import METHODS
 from benchmarks.suite import Context, Record, run_workload
 from benchmarks.workloads import Workload, gpt2_124m, uniform
@@ -55,18 +55,6 @@ def run(ctx: Context) -> list[Record]:
     return records
 
 
-def _ratio(x: Record | None, y: Record | None) -> str:
-    if x is None or y is None:
-        return "-"
-    return f"{x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
-
-
-def _cell(r: Record | None) -> str:
-    if r is None:
-        return "-"
-    return fmt_time(r.median_s) if r.ok else r.status
-
-
 def _code(r: Record | None) -> str:
     return "-" if r is None or r.py_bytecodes is None else str(r.py_bytecodes)
 
@@ -75,24 +63,17 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
     """One row per workload: each method's median step (a failed one shows its status), the
     watched step over the plain one, torch's per-layer logging over ampfused's, and the Python
     bytecodes one step executes."""
-    groups: dict[tuple, dict[str, Record]] = {}
-    for r in records:
-        groups.setdefault((r.workload, r.dtype, r.realloc), {})[r.method] = r
     rows = []
-    for by in groups.values():
-        any_r = next(iter(by.values()))
-        ok = {m: r for m, r in by.items() if r.ok}
+    for cells, by, ok in by_workload(records):
         a, w, n, tn = (ok.get(m) for m in COUNT_METHODS)
         rows.append(
             [
-                any_r.label,
-                any_r.n_tensors,
-                f"{any_r.grad_bytes / 1e6:.1f}",
-                *(_cell(by.get(m)) for m in METHOD_NAMES),
-                _ratio(w, a),
-                _ratio(n, a),
-                _ratio(tn, w),
-                _ratio(tn, n),
+                *cells,
+                *(fmt_cell(by.get(m)) for m in METHOD_NAMES),
+                fmt_ratio(w, a),
+                fmt_ratio(n, a),
+                fmt_ratio(tn, w),
+                fmt_ratio(tn, n),
                 " / ".join(_code(by.get(m)) for m in COUNT_METHODS),
             ]
         )

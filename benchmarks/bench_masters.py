@@ -10,9 +10,8 @@ at a precision cost) run beside them.
 
 from __future__ import annotations
 
-from benchmarks.bench_clip import comparison
-from benchmarks.methods import METHODS
-from benchmarks.suite import Context, Record, run_workload
+from benchmarks.bench_clip import comparison, run_question
+from benchmarks.suite import Context, Record
 from benchmarks.workloads import Workload, gpt2_124m, uniform
 
 QUESTION = "masters"
@@ -30,12 +29,7 @@ def workloads(ctx: Context) -> list[Workload]:
 
 
 def run(ctx: Context) -> list[Record]:
-    records: list[Record] = []
-    for w in workloads(ctx):
-        methods = [METHODS[n] for n in METHOD_NAMES if METHODS[n].present(ctx.device)]
-        records += run_workload(ctx, QUESTION, w, methods)
-        ctx.tick()
-    return records
+    return run_question(ctx, QUESTION, workloads(ctx), METHOD_NAMES)
 
 
 def table(records: list[Record], tablefmt: str = "simple") -> str:

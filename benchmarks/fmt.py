@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.suite import Record
+
 
 def fmt_time(s: float | None) -> str:
     if s is None:
@@ -31,3 +36,31 @@ def fmt_bytes(n: int) -> str:
     if n >= 1e3:
         return f"{n / 1e3:.1f} kB"
     return f"{n} B"
+
+
+def fmt_ratio(x: Record | None, y: Record | None) -> str:
+    """x's median over y's, or "-" when either is missing."""
+    if x is None or y is None:
+        return "-"
+    return f"{x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
+
+
+def fmt_cell(r: Record | None) -> str:
+    """A record's median step, or its status when it did not run."""
+    if r is None:
+        return "-"
+    return fmt_time(r.median_s) if r.ok else r.status
+
+
+def by_workload(records: list[Record]) -> list[tuple[list[str], dict[str, Record], dict]]:
+    """The records of each workload, in run order: (its first three table cells: label, tensor
+    count, MB of gradients; its records by method; those that ran, by method)."""
+    groups: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        groups.setdefault((r.workload, r.dtype, r.realloc), {})[r.method] = r
+    out = []
+    for by in groups.values():
+        r = next(iter(by.values()))
+        cells = [r.label, str(r.n_tensors), f"{r.grad_bytes / 1e6:.1f}"]
+        out.append((cells, by, {m: x for m, x in by.items() if x.ok}))
+    return out

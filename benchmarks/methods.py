@@ -548,8 +548,8 @@ FLOORS = tuple(n for n, m in METHODS.items() if m.kind == "floor")
 
 
 def select(names: list[str] | None, device: torch.device) -> list[Method]:
-    """The methods to run: ``names`` (or the default compared ones), plus every floor, present
-    ones only."""
+    """The methods to run: ``names`` (or the default compared ones), plus every default floor,
+    present ones only (a question's own floor, such as floor-masters, runs when named)."""
     wanted = list(names) if names else [n for n in COMPARED if METHODS[n].default]
-    wanted += [f for f in FLOORS if f not in wanted]
+    wanted += [f for f in FLOORS if f not in wanted and METHODS[f].default]
     return [METHODS[n] for n in wanted if METHODS[n].present(device)]

@@ -7,7 +7,8 @@
 //     (visit_into in unscale_math.h).  If any element of any grads[i] is inf/NaN, found_inf is
 //     set to 1.0, otherwise it is left as it was (the caller zeroes it): torch's
 //     _amp_foreach_non_finite_check_and_unscale_ contract, with the result in out instead of in
-//     place.  grads are only read: a float16 gradient costs 2 bytes read and 4 written per
+//     place.  A NaN stays a NaN; its payload and quiet bit are the converter's (F16C quiets a
+//     signalling float16 NaN, c10's software conversion keeps it), as with torch's own copy_.  grads are only read: a float16 gradient costs 2 bytes read and 4 written per
 //     element, the cast and the unscale in one pass (ampfused.MasterWeights' step).
 //
 // Requirements (checked before anything is written, naming the argument): found_inf and

@@ -1024,7 +1024,7 @@ class GradScaler(torch.amp.GradScaler):
                 f"The total norm of order {norm_type} for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale the "
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
-                + self._first_non_finite(table, positions, groups)
+                + self._first_non_finite(table, positions, groups, optimizer)
             )
         self._multiply_grads(groups, factor)
         return total
@@ -1088,14 +1088,19 @@ class GradScaler(torch.amp.GradScaler):
             _flat_params(groups), max_norm, norm_type, error_if_nonfinite
         )
 
-    def _first_non_finite(self, table: torch.Tensor, positions: torch.Tensor, groups: Any) -> str:
-        """'; first non-finite gradient: <name>' from a pass's table, or '' if no input was."""
+    def _first_non_finite(
+        self, table: torch.Tensor, positions: torch.Tensor, groups: Any, optimizer: Any
+    ) -> str:
+        """'; first non-finite gradient: <name>' from a pass's table, or '' if no input was.
+        A MasterWeights master is named by its model parameter (the one watch() knows)."""
         per_grad, _ = _C.reduce_grad_stats(table[1:].cpu(), positions[:, 1])
         bad = (per_grad[:, 2:5].sum(dim=1) > 0).nonzero()
         if bad.numel() == 0:
             return ""
         position = int(positions[int(bad[0, 0]), 0])
         param = _flat_params(groups)[position]
+        if isinstance(optimizer, MasterWeights):
+            param = optimizer.model_params[position]
         name = self._watch.names.get(id(param)) if self._watch is not None else None
         if name is None:
             g, i = _group_index(groups, position)

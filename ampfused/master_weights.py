@@ -160,11 +160,11 @@ class MasterWeights(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """The wrapped optimizer's ``add_param_group``, with masters for the new parameters."""
         params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
+        params = [params] if isinstance(params, Tensor) else list(params)  # a generator, once
         known = {id(p) for p in self._params} | {id(m) for m in self._masters}
         if any(id(p) in known for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
-        self.optimizer.add_param_group(param_group)
+        self.optimizer.add_param_group({**param_group, "params": params})
         self._adopt(self.optimizer.param_groups[-1])
 
     def _adopt(self, group: dict[str, Any]) -> None:

@@ -59,18 +59,26 @@ def grad_stats_rows(grads: list[Tensor]) -> int:
 # traces, which must see the op.
 
 
-def _call(op, grads: list[Tensor], *args) -> None:
+def _call(op, grads: list[Tensor], *args, out: list[Tensor] | None = None) -> None:
     # torch's schema parser rejects a None inside a Tensor[] with a RuntimeError that names no
     # element; torch's own ops raise TypeError there.  Only the failing call pays for the scan.
     try:
-        op(grads, *args)
+        if out is None:
+            op(grads, *args)
+        else:
+            op(grads, out, *args)
     except RuntimeError:
-        if not isinstance(grads, Tensor):
-            for i, g in enumerate(grads):
+        lists = [("grads", grads)] + ([("out", out)] if out is not None else [])
+        for name, tensors in lists:
+            if isinstance(tensors, Tensor):
+                continue
+            for i, g in enumerate(tensors):
                 if g is None:
                     raise TypeError(
-                        f"grads[{i}] is None; pass only the gradients that exist "
+                        f"{name}[{i}] is None; pass only the gradients that exist "
                         "(leave parameters whose .grad is None out of the list)"
+                        if name == "grads"
+                        else f"out[{i}] is None; pass one float32 tensor per gradient"
                     ) from None
         raise
 
@@ -270,7 +278,7 @@ def unscale_into_(
     ``torch._amp_foreach_non_finite_check_and_unscale_(out, found_inf, inv_scale)``, in one pass
     (a float16 element costs 2 bytes read and 4 written).  ampfused.MasterWeights' unscale.
     """
-    _call(torch.ops.ampfused.unscale_into_, grads, out, found_inf, inv_scale)
+    _call(torch.ops.ampfused.unscale_into_, grads, found_inf, inv_scale, out=out)
 
 
 # Fake kernels: the ops only mutate their arguments and return nothing, so tracing needs no

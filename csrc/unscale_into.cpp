@@ -166,6 +166,15 @@ namespace {
   refuse_without_cuda(on_device.device());
 }
 
+// The checks raise before this could run: some argument is sparse.
+void launch_into_rejected(const std::vector<IntoSpan>&, const float*, float*, const at::Tensor&) {
+  TORCH_INTERNAL_ASSERT(false, "unscale_into_: a sparse argument passed the layout checks");
+}
+
+void register_into_rejecting(torch::Library& m) {
+  m.impl(ops::unscale_into_::kName, &unscale_into_kernel<launch_into_rejected>);
+}
+
 }  // namespace
 }  // namespace ampfused
 
@@ -173,6 +182,13 @@ TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl(ampfused::ops::unscale_into_::kName,
          &ampfused::unscale_into_kernel<ampfused::launch_into_cpu>);
 }
+
+// A sparse argument routes the call to a sparse key: the checks reject it there, naming it,
+// before any launch (NotImplementedError, as for the other ops).
+TORCH_LIBRARY_IMPL(ampfused, SparseCPU, m) { ampfused::register_into_rejecting(m); }
+TORCH_LIBRARY_IMPL(ampfused, SparseCUDA, m) { ampfused::register_into_rejecting(m); }
+TORCH_LIBRARY_IMPL(ampfused, SparseCsrCPU, m) { ampfused::register_into_rejecting(m); }
+TORCH_LIBRARY_IMPL(ampfused, SparseCsrCUDA, m) { ampfused::register_into_rejecting(m); }
 
 #ifndef AMPFUSED_WITH_CUDA
 TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {

@@ -805,6 +805,12 @@ class GradScaler(torch.amp.GradScaler):
         if isinstance(optimizer, MasterWeights):
             # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
             # casts them unscaled, for an optimizer that divides by the scale itself).
+            if type(self)._unscale_grads_ is not GradScaler._unscale_grads_:
+                raise NotImplementedError(
+                    f"{type(self).__name__} overrides _unscale_grads_ (e.g. to all-reduce "
+                    "found_inf), which a MasterWeights optimizer's pass does not call; use "
+                    "ampfused.GradScaler itself with MasterWeights"
+                )
             if self._watch is not None:
                 self._watch.not_covered("a MasterWeights optimizer's pass")
             inv = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -971,6 +977,8 @@ class GradScaler(torch.amp.GradScaler):
             )
         max_norm, norm_type = float(max_norm), float(norm_type)
         if not self._enabled:
+            if isinstance(optimizer, MasterWeights):
+                optimizer._cast_stale()  # the masters' gradients, as step() would take them
             return torch.nn.utils.clip_grad_norm_(
                 _flat_params(_read_param_groups(optimizer)),
                 max_norm,

@@ -22,6 +22,7 @@ the masters, and the masters are copied back to the model's parameters (rounded,
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -103,8 +104,20 @@ class MasterWeights(torch.optim.Optimizer):
         # is not low precision).
         self._params: list[Tensor] = []
         self._masters: list[Tensor] = []
-        # The masters' gradients hold this iteration's gradients (the scaler's pass ran).
+        # Position in _params of each low-precision parameter, by identity.
+        self._low: dict[int, int] = {}
+        # Per low-precision position: (gradient, its version) last cast into the master's
+        # gradient, and the parameter's version when it last equalled its master (rounded).
+        self._cast_from: dict[int, tuple[Tensor, int]] = {}
+        self._synced_version: dict[int, int] = {}
+        # A scaler's pass filled the masters' gradients since the last step / zero_grad.
         self._grads_ready = False
+        # Until a scaler drives the steps, each low-precision gradient is cast into its master's
+        # as backward accumulates it, so whatever reads the masters' gradients before step()
+        # (clipping, a framework's gradient logging) sees them.  The first scaler pass removes
+        # the hooks: from then on its pass does the cast, unscaled, in one read.
+        self._scaler_driven = False
+        self._hooks: list = []
         for group in optimizer.param_groups:
             self._adopt(group)
 
@@ -152,10 +165,19 @@ class MasterWeights(torch.optim.Optimizer):
         return f"MasterWeights({self.optimizer!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        # What an LR scheduler patched into this instance (torch's Optimizer leaves it out too),
+        # and the hook handles, made again by __setstate__.
+        for key in ("step", "_opt_called"):
+            state.pop(key, None)
+        state["_hooks"] = []
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._patch_step_function()
+        if not self._scaler_driven:
+            self._add_cast_hooks(self._low)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """The wrapped optimizer's ``add_param_group``, with masters for the new parameters."""
@@ -169,6 +191,7 @@ class MasterWeights(torch.optim.Optimizer):
 
     def _adopt(self, group: dict[str, Any]) -> None:
         masters = []
+        added = {}
         for p in group["params"]:
             m = p
             if p.dtype in _LOW_PRECISION:
@@ -180,51 +203,89 @@ class MasterWeights(torch.optim.Optimizer):
                 with torch.no_grad():
                     m = torch.empty_like(p, dtype=torch.float32).copy_(p)
                 m.requires_grad_(p.requires_grad)
+                added[id(p)] = len(self._params)
+                self._synced_version[len(self._params)] = p._version
             masters.append(m)
             self._params.append(p)
             self._masters.append(m)
         group["params"] = masters
+        self._low.update(added)
+        if not self._scaler_driven:
+            self._add_cast_hooks(added)
 
-    def _low_pairs(self) -> list[tuple[Tensor, Tensor]]:
-        return [(p, m) for p, m in zip(self._params, self._masters, strict=True) if m is not p]
+    def _add_cast_hooks(self, positions: dict[int, int]) -> None:
+        hook = _CastHook(self)
+        for i in positions.values():
+            p = self._params[i]
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     # --------------------------------------------------------------------- gradients
-    def _grads_to_masters(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
-        """The scaler's pass (and :meth:`step`'s cast without one).
+    def _master_grad(self, i: int, g: Tensor) -> tuple[Tensor, Tensor]:
+        """(g, or a dense copy of it; the master's float32 gradient in g's layout, allocated
+        when it has none of that layout, reused after)."""
+        m = self._masters[i]
+        out = m.grad
+        # Same sizes and strides as a dense tensor make g dense too.
+        if out is None or out.stride() != g.stride():
+            out = torch.empty_like(g, dtype=torch.float32)
+            if out.stride() != g.stride():  # g has gaps or overlaps: empty_like packed it
+                g = g.contiguous()
+                out = torch.empty_like(g, dtype=torch.float32)
+            m.grad = out
+        return g, out
 
-        Every low-precision gradient is unscaled by ``inv_scale`` into its master's float32
-        ``.grad`` (allocated on first use, reused after), every other gradient in place; a
-        master whose parameter has no gradient gets none.  Returns one found_inf per device
-        (float32, 1.0 where an input element was inf/NaN), as ``_unscale_grads_`` does.
+    @torch.no_grad()
+    def _cast(self, i: int) -> None:
+        """The master's gradient from its parameter's, unscaled (no scaler)."""
+        g = self._params[i].grad
+        if g is None:
+            self._masters[i].grad = None
+        else:
+            self._check_layout(i, g)
+            src, out = self._master_grad(i, g)
+            out.copy_(src)
+            self._cast_from[i] = (g, g._version)
+
+    def _check_layout(self, i: int, g: Tensor) -> None:
+        if g.layout != torch.strided:
+            p = self._params[i]
+            raise NotImplementedError(
+                f"MasterWeights: a {p.dtype} parameter of shape {tuple(p.shape)} has a "
+                f"{g.layout} gradient; keep parameters with sparse gradients (e.g. "
+                "nn.Embedding(sparse=True)) in float32"
+            )
+
+    def _grads_to_masters(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+        """A scaler's pass: every low-precision gradient unscaled by ``inv_scale`` into its
+        master's float32 ``.grad`` (:func:`ampfused.ops.unscale_into_`), every other gradient
+        in place; a master whose parameter has no gradient gets none.  Returns one found_inf
+        per device (float32, 1.0 where an input element was inf/NaN), as ``_unscale_grads_``.
         """
+        if not self._scaler_driven:
+            self._scaler_driven = True
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
         # device -> (low-precision grads, their master grads, other grads)
         work: dict[torch.device, tuple[list, list, list]] = {}
-        for p, m in zip(self._params, self._masters, strict=True):
+        cast_from = {}
+        for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             g = p.grad
-            if m is p:
-                if g is not None:
-                    work.setdefault(g.device, ([], [], []))[2].append(g)
-                continue
             if g is None:
-                m.grad = None
+                if m is not p:
+                    m.grad = None
                 continue
-            if g.layout != torch.strided:
-                raise NotImplementedError(
-                    f"MasterWeights: a {p.dtype} parameter of shape {tuple(p.shape)} has a "
-                    f"{g.layout} gradient; keep parameters with sparse gradients (e.g. "
-                    "nn.Embedding(sparse=True)) in float32"
-                )
-            # The master's gradient takes the layout of the parameter's (reused while it
-            # holds); same sizes and strides as a dense tensor make g dense too.
-            out = m.grad
-            if out is None or out.stride() != g.stride():
-                out = torch.empty_like(g, dtype=torch.float32)
-                if out.stride() != g.stride():  # g has gaps or overlaps: empty_like packed it
-                    g = g.contiguous()
-                    out = torch.empty_like(g, dtype=torch.float32)
-                m.grad = out
+            if m is p:
+                if g.is_sparse:  # as torch's scaler: the values (float32: no coalescing)
+                    g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
+                work.setdefault(g.device, ([], [], []))[2].append(g)
+                continue
+            self._check_layout(i, g)
+            cast_from[i] = (g, g._version)
+            src, out = self._master_grad(i, g)
             lows, outs, _ = work.setdefault(g.device, ([], [], []))
-            lows.append(g)
+            lows.append(src)
             outs.append(out)
         found = {}
         for device, (lows, outs, others) in work.items():
@@ -235,34 +296,96 @@ class MasterWeights(torch.optim.Optimizer):
             if others:
                 ops.non_finite_check_and_unscale_(others, flag, inv)
             found[device] = flag
+        self._cast_from = cast_from
         self._grads_ready = True
         return found
 
+    def _check_unchanged_since_pass(self) -> None:
+        """After a scaler's pass the masters' gradients are what the optimizer reads: refuse a
+        step whose model gradients were written after it (their change would be lost)."""
+        for i in self._low.values():
+            g = self._params[i].grad
+            seen = self._cast_from.get(i)
+            changed = (g is not None and seen is None) or (
+                seen is not None and (g is not seen[0] or g._version != seen[1])
+            )
+            if changed:
+                p = self._params[i]
+                raise RuntimeError(
+                    f"MasterWeights: the gradient of a {p.dtype} parameter of shape "
+                    f"{tuple(p.shape)} changed after the scaler unscaled it into its float32 "
+                    "master, so the change would not reach the optimizer (e.g. "
+                    "torch.nn.utils.clip_grad_norm_(model.parameters()) after "
+                    "scaler.unscale_(optimizer)). Clip with scaler.clip_grad_norm_(optimizer, "
+                    "max_norm), or modify the gradients of optimizer.master_params"
+                )
+
+    @torch.no_grad()
+    def _take_model_changes(self) -> None:
+        """A model parameter written since it last equalled its master with a value other than
+        the master's, rounded (an init after wrapping, a model.load_state_dict of other
+        weights), gives its master its new value.  The same value (a checkpoint's model
+        weights loaded after its optimizer state) keeps the master's extra bits."""
+        for i in self._low.values():
+            p = self._params[i]
+            if p._version != self._synced_version[i]:
+                m = self._masters[i]
+                if not torch.equal(p, m.to(p.dtype)):
+                    m.copy_(p)
+                self._synced_version[i] = p._version
+
     @torch.no_grad()
     def _copy_to_model(self) -> None:
-        pairs = self._low_pairs()
-        if pairs:
-            params, masters = zip(*pairs, strict=True)
-            torch._foreach_copy_(list(params), list(masters))
+        low = list(self._low.values())
+        if low:
+            torch._foreach_copy_([self._params[i] for i in low], [self._masters[i] for i in low])
+            for i in low:
+                self._synced_version[i] = self._params[i]._version
+
+    def _cast_stale(self) -> None:
+        """Without a scaler: cast the gradients the hooks did not (set by hand, changed since)."""
+        for i in self._low.values():
+            g = self._params[i].grad
+            seen = self._cast_from.get(i)
+            if g is None or seen is None or g is not seen[0] or g._version != seen[1]:
+                self._cast(i)
 
     # --------------------------------------------------------------------- Optimizer API
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the masters with the wrapped optimizer, then copy them to the model.
 
-        Without a scaler's pass in this iteration (training without loss scaling), the
-        low-precision gradients are first cast to the masters' gradients (not unscaled, not
-        checked).  A ``closure`` is evaluated first (with grad enabled) and its gradients cast.
-        Returns what the wrapped optimizer's ``step`` returned (the closure's loss).
+        After a scaler's pass, the masters' gradients are the ones it unscaled.  Without one
+        (training without loss scaling), they are the model's gradients cast to float32 (as
+        backward produced them, or as changed since).  A ``closure`` (LBFGS) is handed to the
+        wrapped optimizer as one that first copies the masters to the model, then evaluates
+        the user's closure with grad enabled and casts its gradients.  Returns what the
+        wrapped optimizer's ``step`` returned.
+
+        Raises:
+            RuntimeError: a model gradient changed after the scaler's pass (the change would
+                be lost): clip or modify the masters' gradients instead.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            self._grads_ready = False
-        if not self._grads_ready:
-            one = torch.ones((), dtype=torch.float32)
-            self._grads_to_masters(one)
+        self._take_model_changes()
         inner = self.optimizer
+        if closure is not None:
+
+            def master_closure() -> Any:
+                self._copy_to_model()
+                with torch.enable_grad():
+                    loss = closure()
+                self._cast_stale()
+                return loss
+
+            try:
+                result = inner.step(master_closure)
+            finally:
+                self._grads_ready = False
+            self._copy_to_model()
+            return result
+        if self._grads_ready:
+            self._check_unchanged_since_pass()
+        else:
+            self._cast_stale()
         # A scaler hands an optimizer that unscales and skips itself these two tensors.
         given = [n for n in _FUSED_STEP_INPUTS if hasattr(self, n)]
         for name in given:
@@ -275,29 +398,35 @@ class MasterWeights(torch.optim.Optimizer):
                     delattr(inner, name)
             self._grads_ready = False
         self._copy_to_model()
-        return loss if closure is not None else result
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets the gradients of the masters and of the model's parameters."""
         self.optimizer.zero_grad(set_to_none)
-        for p, _ in self._low_pairs():
+        for i in self._low.values():
+            p = self._params[i]
             if p.grad is None:
                 continue
             if set_to_none:
                 p.grad = None
             else:
                 p.grad.detach_().requires_grad_(False).zero_()
+        self._cast_from = {}
         self._grads_ready = False
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict`` plus ``"master_weights"``: the float32
-        masters by their parameter index (the indices of ``"state"``)."""
+        masters by their parameter index (the indices of ``"state"``).  This wrapper's own
+        state-dict hooks run around it, as torch's Optimizer runs them."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self._take_model_changes()
         state = self.optimizer.state_dict()
-        state[_STATE_KEY] = {
-            i: m
-            for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True))
-            if m is not p
-        }
+        state[_STATE_KEY] = {i: self._masters[i] for i in sorted(self._low.values())}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -310,29 +439,54 @@ class MasterWeights(torch.optim.Optimizer):
         Raises:
             ValueError: the saved masters do not match this wrapper's (other indices, shapes).
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state_dict = dict(state_dict)
         saved = state_dict.pop(_STATE_KEY, None)
-        low = {
-            i: m
-            for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True))
-            if m is not p
-        }
+        low = sorted(self._low.values())
         if saved is not None:
-            if set(saved) != set(low):
+            if sorted(saved) != low:
                 raise ValueError(
                     f"loaded state dict holds masters for parameters {sorted(saved)} but this "
-                    f"MasterWeights keeps masters for {sorted(low)}; build the optimizer over "
-                    "the same model, made low precision the same way"
+                    f"MasterWeights keeps masters for {low}; build the optimizer over the same "
+                    "model, made low precision the same way"
                 )
-            for i, m in low.items():
-                if tuple(saved[i].shape) != tuple(m.shape):
+            for i in low:
+                if tuple(saved[i].shape) != tuple(self._masters[i].shape):
                     raise ValueError(
                         f"loaded master {i} has shape {tuple(saved[i].shape)}, expected "
-                        f"{tuple(m.shape)}"
+                        f"{tuple(self._masters[i].shape)}"
                     )
         self.optimizer.load_state_dict(state_dict)
         with torch.no_grad():
-            for i, m in low.items():
-                m.copy_(saved[i] if saved is not None else self._params[i])
+            for i in low:
+                self._masters[i].copy_(saved[i] if saved is not None else self._params[i])
         self._copy_to_model()
+        self._cast_from = {}
         self._grads_ready = False
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+class _CastHook:
+    """A parameter's post-accumulate-grad hook: cast its gradient into its master's.  Holds
+    its MasterWeights weakly (the model does not keep the optimizer alive); pickled as a no-op
+    (an unpickled MasterWeights hooks its unpickled parameters again)."""
+
+    def __init__(self, wrapper: MasterWeights) -> None:
+        self.wrapper: Callable[[], MasterWeights | None] = weakref.ref(wrapper)
+
+    def __call__(self, param: Tensor) -> None:
+        wrapper = self.wrapper()
+        if wrapper is not None and not wrapper._scaler_driven:
+            i = wrapper._low.get(id(param))
+            if i is not None:
+                wrapper._cast(i)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.wrapper = lambda: None

@@ -20,6 +20,7 @@ __all__ = [
     "scaler_pass_",
     "scaler_update_",
     "clip_factor_",
+    "unscale_into_",
     "grad_stats_rows",
     "STATE_SIZE",
     "STAT_FIELDS",

@@ -53,18 +53,19 @@ std::vector<IntoSpan> into_spans(at::TensorList grads, at::TensorList out,
     TORCH_CHECK(g.device() == device && o.device() == device, "grads[", i, "] is on ", g.device(),
                 " and out[", i, "] on ", o.device(), " but found_inf is on ", device,
                 "; pass the tensors of one device per call");
-    TORCH_CHECK(g.sizes() == o.sizes() && g.strides() == o.strides(), "out[", i,
-                "] must have the shape and strides of grads[", i, "]: got ", o.sizes(), " / ",
-                o.strides(), " for ", g.sizes(), " / ", g.strides(),
+    TORCH_CHECK(g.sizes() == o.sizes(), "out[", i, "] must have the shape of grads[", i, "]: got ",
+                o.sizes(), " for ", g.sizes(),
+                "; allocate it with torch.empty_like(grads[i], dtype=torch.float32)");
+    if (g.numel() == 0) continue;  // nothing to read or write: any strides will do
+    TORCH_CHECK(g.strides() == o.strides(), "out[", i, "] must have the strides of grads[", i,
+                "]: got ", o.strides(), " for ", g.strides(),
                 "; allocate it with torch.empty_like(grads[i], dtype=torch.float32)");
     TORCH_CHECK(g.is_non_overlapping_and_dense(), "grads[", i,
                 "] has gaps or overlapping elements (strides ", g.strides(),
                 "); pass grads[i].contiguous() and an out of its layout");
-    TORCH_CHECK(g.numel() == 0 || !o.storage().is_alias_of(g.storage()), "out[", i,
-                "] shares memory with grads[", i,
+    TORCH_CHECK(!o.storage().is_alias_of(g.storage()), "out[", i, "] shares memory with grads[", i,
                 "]; pass a separate float32 tensor (to unscale in place use "
                 "non_finite_check_and_unscale_)");
-    if (g.numel() == 0) continue;
     spans.push_back({g.const_data_ptr(), o.mutable_data_ptr<float>(), g.numel(), g.scalar_type()});
   }
   return spans;

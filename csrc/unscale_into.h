@@ -8,15 +8,17 @@
 //     set to 1.0, otherwise it is left as it was (the caller zeroes it): torch's
 //     _amp_foreach_non_finite_check_and_unscale_ contract, with the result in out instead of in
 //     place.  A NaN stays a NaN; its payload and quiet bit are the converter's (F16C quiets a
-//     signalling float16 NaN, c10's software conversion keeps it), as with torch's own copy_.  grads are only read: a float16 gradient costs 2 bytes read and 4 written per
-//     element, the cast and the unscale in one pass (ampfused.MasterWeights' step).
+//     signalling float16 NaN, c10's software conversion keeps it), as with torch's own copy_. grads
+//     are only read: a float16 gradient costs 2 bytes read and 4 written per element, the cast and
+//     the unscale in one pass (ampfused.MasterWeights' step).
 //
 // Requirements (checked before anything is written, naming the argument): found_inf and
 // inv_scale one-element float32 tensors on one device; grads and out lists of the same length;
 // grads[i] float16, bfloat16 or float32, out[i] float32, both strided on that device, of the same
 // shape and the same strides, with no gaps or overlapping elements (non-overlapping and dense:
 // torch.empty_like(grads[i], dtype=torch.float32) is such an out), and out[i] not sharing memory
-// with grads[i].  The out tensors must not overlap one another (not checked).  Wrong dtypes or
+// with grads[i] (zero-size pairs: same shape only).  No out may overlap another out or any
+// other grads[j] (not checked).  Wrong dtypes or
 // layouts raise NotImplementedError, the rest RuntimeError (TypeError for an undefined tensor),
 // the types torch's foreach ops raise.  No host sync.
 #pragma once

@@ -1,7 +1,7 @@
 // CUDA kernel of unscale_into_ (contract: unscale_into.h).
 //
 // The spans are cut into items of at most kChunkSize elements (input pointer, output pointer,
-// count, dtype: 24 bytes) that travel by value in the kernel parameters, kIntoCapacity per
+// count, dtype: 24 bytes) that travel by value in the kernel parameters, up to kIntoLarge per
 // launch; block b of a launch takes item b, its threads striding through it, so consecutive
 // threads read and write consecutive elements.  Per element: visit_into (unscale_math.h, the
 // same function the CPU kernel runs).  found_inf is set, never cleared, so blocks and launches
@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cuda/multi_tensor_apply.cuh"
 #include "unscale_into.h"
@@ -30,15 +31,20 @@ struct IntoItem {
 };
 static_assert(sizeof(IntoItem) == 24, "IntoItem is a 24-byte kernel parameter record");
 
-constexpr int kIntoCapacity = 1024;
+// Items per launch, two classes as launch_table.h's: the driver copies every parameter byte at
+// each launch, so a pass of a few items takes the small one.
+constexpr int kIntoSmall = 128;
+constexpr int kIntoLarge = 1024;
 constexpr int kIntoBlockSize = 256;
 
+template <int kCapacity>
 struct IntoArgs {
   const float* inv_scale;
   float* found_inf;
-  IntoItem items[kIntoCapacity];  // gridDim.x of them are set
+  IntoItem items[kCapacity];  // gridDim.x of them are set
 };
-static_assert(sizeof(IntoArgs) <= kMaxKernelParamBytes, "kernel parameters over the CUDA limit");
+static_assert(sizeof(IntoArgs<kIntoLarge>) <= kMaxKernelParamBytes,
+              "kernel parameters over the CUDA limit");
 
 template <typename T>
 __device__ uint32_t into_item(const IntoItem& w, float inv, bool inv_is_one) {
@@ -52,8 +58,9 @@ __device__ uint32_t into_item(const IntoItem& w, float inv, bool inv_is_one) {
   return bad;
 }
 
+template <int kCapacity>
 __global__ void __launch_bounds__(kIntoBlockSize)
-    unscale_into_kernel(const __grid_constant__ IntoArgs k) {
+    unscale_into_kernel(const __grid_constant__ IntoArgs<kCapacity> k) {
   const IntoItem& w = k.items[blockIdx.x];  // uniform across the block: no divergence below
   const float inv = *k.inv_scale;
   const bool inv_is_one = inv == 1.0f;
@@ -72,6 +79,18 @@ __global__ void __launch_bounds__(kIntoBlockSize)
   if (__syncthreads_or(bad) && threadIdx.x == 0) *k.found_inf = 1.0f;
 }
 
+// One launch over items[first, first + count), count <= kCapacity.
+template <int kCapacity>
+void launch_slice(const std::vector<IntoItem>& items, size_t first, int count,
+                  const float* inv_scale, float* found_inf, cudaStream_t stream) {
+  IntoArgs<kCapacity> k;  // items past count stay unset: no block reads them
+  k.inv_scale = inv_scale;
+  k.found_inf = found_inf;
+  std::copy_n(items.begin() + static_cast<std::ptrdiff_t>(first), count, k.items);
+  unscale_into_kernel<kCapacity><<<count, kIntoBlockSize, 0, stream>>>(k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -79,25 +98,27 @@ void launch_into_cuda(const std::vector<IntoSpan>& spans, const float* inv_scale
                       const at::Tensor& on_device) {
   const c10::cuda::CUDAGuard guard(on_device.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(on_device.get_device()).stream();
-  cuda::IntoArgs k;  // items past the launch's count stay unset: no block reads them
-  k.inv_scale = inv_scale;
-  k.found_inf = found_inf;
-  int count = 0;
-  const auto flush = [&] {
-    cuda::unscale_into_kernel<<<count, cuda::kIntoBlockSize, 0, stream>>>(k);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    count = 0;
-  };
+  std::vector<cuda::IntoItem> items;
   for (const IntoSpan& s : spans) {
     const size_t elem = c10::elementSize(s.dtype);
     for (int64_t b = 0; b < s.numel; b += kChunkSize) {
-      k.items[count++] = {static_cast<const char*>(s.in) + b * elem, s.out + b,
-                          static_cast<uint32_t>(std::min(kChunkSize, s.numel - b)),
-                          static_cast<int32_t>(s.dtype)};
-      if (count == cuda::kIntoCapacity) flush();
+      items.push_back({static_cast<const char*>(s.in) + b * elem, s.out + b,
+                       static_cast<uint32_t>(std::min(kChunkSize, s.numel - b)),
+                       static_cast<int32_t>(s.dtype)});
     }
   }
-  if (count > 0) flush();
+  // Full large launches, then the rest in the smallest class that holds it.
+  for (size_t first = 0; first < items.size();) {
+    const size_t left = items.size() - first;
+    if (left <= static_cast<size_t>(cuda::kIntoSmall)) {
+      cuda::launch_slice<cuda::kIntoSmall>(items, first, static_cast<int>(left), inv_scale,
+                                           found_inf, stream);
+      break;
+    }
+    const int count = static_cast<int>(std::min<size_t>(left, cuda::kIntoLarge));
+    cuda::launch_slice<cuda::kIntoLarge>(items, first, count, inv_scale, found_inf, stream);
+    first += static_cast<size_t>(count);
+  }
 }
 
 }  // namespace ampfused

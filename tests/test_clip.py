@@ -77,12 +77,13 @@ def _f32(x: float) -> torch.Tensor:
 
 def _table(n_rows: int, seed: int, device: str) -> torch.Tensor:
     """A statistics table as scaler_pass_ writes it: a header, then n_rows item rows whose sums
-    of squares spread over 60 binades (so the order of their sum shows in the last bits)."""
+    of squares spread over 8 binades (most additions round, so the order of their sum shows in
+    the last bits)."""
     gen = torch.Generator().manual_seed(seed)
     t = torch.zeros(n_rows + 1, FIELDS, dtype=F64)
     t[0] = torch.tensor([1024.0, 3.0, 0.0, 0.0, 0.0, 0.0])  # scale, steps, found (not read)
     sums = torch.rand(n_rows, generator=gen, dtype=F64)
-    sums = sums * torch.exp2(torch.randint(-30, 30, (n_rows,), generator=gen).double())
+    sums = sums * torch.exp2(torch.randint(-4, 4, (n_rows,), generator=gen).double())
     t[1:, SUM_SQ] = sums
     t[1:, ABS_MAX] = sums.sqrt() * torch.rand(n_rows, generator=gen, dtype=F64)
     t[1:, ZEROS] = torch.randint(0, 100, (n_rows,), generator=gen).double()
@@ -163,6 +164,41 @@ def test_reference_order_is_not_a_plain_sum():
     lanes = reference.stat_total(rows)[0]
     assert lanes != sum(rows[:, SUM_SQ].tolist())
     assert lanes != float(rows[:, SUM_SQ].sum())
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+def test_op_order_shows_in_the_float32_total(device, norm_type):
+    """A table whose float32 total depends on the order of the float64 sum: the first row is
+    T**2 with T = 2**30 + 2**6, halfway between two float32 values, then 2,999 rows of 1.0.
+    Added one by one to the first, each 1.0 is lost (half an ulp of T**2 is 128): sqrt gives T
+    exactly, which rounds to even, 2**30.  In the lane order the ones meet in the lanes and the
+    tree first, about 3,000 of them reach the first row, and the total rounds up to 2**30 + 128.
+    """
+    t = 2.0**30 + 2.0**6
+    table = torch.zeros(3001, FIELDS, dtype=F64)
+    table[1:, SUM_SQ] = 1.0
+    table[1, SUM_SQ] = t * t  # exact in float64
+    table[1:, ABS_MAX] = 1.0
+    sequential = 0.0
+    for v in table[1:, SUM_SQ].tolist():
+        sequential += v
+    assert float(_f32(math.sqrt(sequential))) == 2.0**30
+    total, _ = _clip_op(table.to(device), None, 1.0, norm_type)
+    ref_total, _ = _clip_reference(table, None, 1.0, norm_type)
+    _same(_host(total), ref_total)
+    if norm_type == 2.0:
+        assert float(total) == 2.0**30 + 128
+
+
+@pytest.mark.parametrize("n_rows", [6, 257, 3000])
+def test_report_total_in_the_clip_order(n_rows):
+    """reduce_grad_stats's total (GradScaler.report()'s total norm) sums the rows in the clip's
+    order: the same float64 bits as reference.stat_total, so the two totals agree bit for bit."""
+    rows = _table(n_rows, n_rows + 1, "cpu")[1:]
+    numels = [ops.CHUNK_SIZE] * (n_rows - 1) + [5]  # a row each
+    _, total = ampfused._C.reduce_grad_stats(rows, numels)
+    assert total == reference.stat_total(rows)[0]
+    assert total == reference.reduce_grad_stats(rows, numels)[1]
 
 
 # Item rows with inf/NaN inputs, as the pass writes them: the counts and a non-finite sum.
@@ -744,12 +780,13 @@ def _net_runs(device: str, watch: bool) -> dict[str, Run]:
     return runs
 
 
+@pytest.mark.parametrize("first", [INF, -INF, NAN], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("unscale_first", [False, True], ids=["clip", "unscale_then_clip"])
 @pytest.mark.parametrize("watch", [False, True], ids=["positions", "watch_names"])
-def test_error_if_nonfinite(device, watch, unscale_first):
+def test_error_if_nonfinite(device, watch, unscale_first, first):
     runs = _net_runs(device, watch)
-    # fc1.* is clean; fc2.weight is the first gradient with NaN, head.bias has an inf
-    _net_backward(runs, device, {"fc2.weight": NAN, "head.bias": INF})
+    # fc1.* is clean; fc2.weight is the first gradient with inf/NaN, head.bias has another
+    _net_backward(runs, device, {"fc2.weight": first, "head.bias": INF if first != INF else NAN})
     errors = {}
     for name, run in runs.items():
         if unscale_first or name == "torch":

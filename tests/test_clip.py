@@ -17,8 +17,12 @@ The fused copy must equal ``exact`` bit for bit in everything (gradients, parame
 state, scale, growth tracker) whenever the scale is a power of two (then unscaling is exact, so
 torch's two roundings, ``(g * inv) * coef``, equal our one, ``g * (inv * coef)``), and equal the
 reference's clipped gradients and total bit for bit always.  Against ``torch`` it makes the same
-skip decisions and scale updates; its total is close (TOTAL_RTOL) and, for norms torch computes
-exactly (inf) or that take torch's route (1, 3), equal.
+skip decisions and scale updates; its total is close (TOTAL_RTOL); for the inf norm of float32
+gradients (a max: exact in any order), for norms that take torch's route (1, 3) and where the
+clip does not clip, everything equals torch's bit for bit.
+
+Without a GPU, the CUDA kernel's lane order is not observable here; its CUDA variants compare it
+with the reference and the CPU kernel.
 """
 
 from __future__ import annotations
@@ -863,9 +867,11 @@ def test_watch_report_comes_from_the_clip_pass(device, unscale_first):
 def test_two_devices_take_torchs_route(norm_type):
     """Gradients on two GPUs: unscale_ + torch's clip (found_inf per device), torch bit for
     bit."""
+    # no empty gradients: torch's inf norm raises on them (test_inf_norm_of_empty_gradients)
+    shapes = [s for s in SHAPES if math.prod(s)]
     runs = {}
     for name, cls in (("torch", TorchScaler), ("fused", FusedScaler)):
-        run = _build(name, cls("cuda", **SCALER_KW), "cuda", "adamw", "fp32")
+        run = _build(name, cls("cuda", **SCALER_KW), "cuda", "adamw", "fp32", shapes)
         for p in run.params[GROUP_SPLIT:]:
             p.data = p.data.to("cuda:1")
         runs[name] = run

@@ -162,8 +162,9 @@ def test_op_matches_reference(device, n_rows, norm_type, scale, max_norm):
 
 
 def test_reference_order_is_not_a_plain_sum():
-    """The tables above tell the lane order from other orders, so the bit comparisons are
-    meaningful: a kernel summing rows sequentially or pairwise gets other bits."""
+    """The float64 totals of these tables tell the lane order from a sequential or pairwise sum
+    (test_report_total_in_the_clip_order compares those bits; the op's float32 total hides most
+    such differences, test_op_order_shows_in_the_float32_total makes one visible)."""
     rows = _table(3000, 3000, "cpu")[1:]
     lanes = reference.stat_total(rows)[0]
     assert lanes != sum(rows[:, SUM_SQ].tolist())

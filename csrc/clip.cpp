@@ -45,7 +45,7 @@ ClipParams clip_params(const at::Tensor& grad_stats, const std::optional<at::Ten
   check_output(total_norm, "total_norm", device);
   check_output(factor, "factor", device);
   const bool unscale = state.has_value() && state->defined();
-  if (unscale) check_scaler_state(*state, "state", device);
+  if (unscale) check_scaler_state(*state, "state", device, "grad_stats");
   TORCH_CHECK_NOT_IMPLEMENTED(
       norm_type == 2.0 || norm_type == INFINITY, "clip_factor_ computes norm_type 2 or inf, got ",
       norm_type, "; GradScaler.clip_grad_norm_ takes other norms through torch's clip_grad_norm_");

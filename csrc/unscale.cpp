@@ -67,7 +67,8 @@ void check_grads(at::TensorList grads, const at::Device& device) {
   }
 }
 
-void check_scaler_state(const at::Tensor& t, const char* name, const at::Device& device) {
+void check_scaler_state(const at::Tensor& t, const char* name, const at::Device& device,
+                        const char* device_name) {
   TORCH_CHECK_TYPE(t.defined(), name, " is undefined (None); pass the scaler's int32 state of ",
                    int{kScalerStateSize}, " elements");
   TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, name,
@@ -76,8 +77,8 @@ void check_scaler_state(const at::Tensor& t, const char* name, const at::Device&
               name, " must be a contiguous int32 tensor of ", int{kScalerStateSize},
               " elements (the scale's float32 bits, the growth tracker, then the counters), got ",
               t.scalar_type(), " of shape ", t.sizes());
-  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but found_inf is on ", device,
-              "; keep the scaler's state on the device of the gradients");
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but ", device_name, " is on ",
+              device, "; keep the scaler's state on the device of the gradients");
 }
 
 int64_t grad_stats_rows(at::TensorList grads) {

@@ -112,7 +112,9 @@ void check_state(const at::Tensor& t, const char* name, c10::ScalarType dtype,
                  const at::Device& device);
 void check_grads(at::TensorList grads, const at::Device& device);
 // The scaler's int32 state (kScalerStateSize elements, contiguous) and its statistics table.
-void check_scaler_state(const at::Tensor& t, const char* name, const at::Device& device);
+// `device_name` names the argument `device` was taken from, for the device mismatch message.
+void check_scaler_state(const at::Tensor& t, const char* name, const at::Device& device,
+                        const char* device_name = "found_inf");
 void check_grad_stats(const at::Tensor& t, at::TensorList grads, const at::Device& device);
 // Rows of grad_stats for `grads`: the header, then ceil(numel / kChunkSize) per gradient.
 int64_t grad_stats_rows(at::TensorList grads);

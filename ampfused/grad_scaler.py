@@ -957,9 +957,14 @@ class GradScaler(torch.amp.GradScaler):
         12 bytes per float32 element where the two torch calls move 20, and no host sync.  The
         norm is accumulated in float64 in a fixed order (:func:`ampfused.reference.
         clip_grad_norm_`), so it can differ from torch's in the last bits, and it is float32
-        whatever the gradients' dtype (torch returns float16 for float16 gradients).  Other
-        norms, and gradients on several devices or of tensor subclasses, take
-        ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` (correct, not fused).
+        whatever the gradients' dtype (torch returns a float16/bfloat16 total for
+        float16/bfloat16 gradients and computes the coefficient in that dtype, so clipped
+        bfloat16 gradients can differ from torch's by more).  The gradients are multiplied once,
+        by ``float32(inv_scale * clip_coef)``, where torch's pair multiplies twice: with a scale
+        that is not a power of two, a last-bit difference.  Other norms, an inf norm with an
+        empty gradient (torch raises), and gradients on several devices or of tensor
+        subclasses take ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` (correct, not
+        fused).
 
         With :meth:`watch`, the per-parameter statistics of :meth:`report` and
         :meth:`grad_norms` come from the same read pass (pre-clip).
@@ -996,8 +1001,10 @@ class GradScaler(torch.amp.GradScaler):
             self.unscale_(optimizer)  # into the masters' float32 gradients, then clip those
         unscaled = optimizer_state["stage"] is _UNSCALED
         tables: list = []
-        if norm_type not in _TABLE_NORMS:
-            found = None
+        if norm_type not in _TABLE_NORMS or (
+            norm_type == _INF and _any_empty_grad(_read_param_groups(optimizer))
+        ):
+            found = None  # torch's clip (it refuses the inf norm of an empty gradient)
         elif unscaled:
             found = self._unit_pass(optimizer, tables)
         else:
@@ -1557,6 +1564,10 @@ class GradScaler(torch.amp.GradScaler):
                 warnings.warn(str(report), RuntimeWarning, stacklevel=3)
             else:
                 _LOG.warning("%s", report)
+
+
+def _any_empty_grad(groups: Any) -> bool:
+    return any(p.grad is not None and p.grad.numel() == 0 for g in groups for p in g["params"])
 
 
 def _flat_params(groups: Any) -> list:

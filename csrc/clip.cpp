@@ -72,12 +72,27 @@ namespace {
   refuse_without_cuda(on_device.device());
 }
 
+// The checks raise before this could run: some argument is sparse.
+void launch_clip_rejected(const ClipParams&, const at::Tensor&) {
+  TORCH_INTERNAL_ASSERT(false, "clip_factor_: a sparse argument passed the layout checks");
+}
+
 }  // namespace
 }  // namespace ampfused
 
 TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl(ampfused::ops::clip_factor_::kName,
          &ampfused::clip_factor_kernel<ampfused::launch_clip_cpu>);
+}
+
+// A sparse argument routes the call to a sparse key: the checks reject it there, naming it.
+TORCH_LIBRARY_IMPL(ampfused, SparseCPU, m) {
+  m.impl(ampfused::ops::clip_factor_::kName,
+         &ampfused::clip_factor_kernel<ampfused::launch_clip_rejected>);
+}
+TORCH_LIBRARY_IMPL(ampfused, SparseCUDA, m) {
+  m.impl(ampfused::ops::clip_factor_::kName,
+         &ampfused::clip_factor_kernel<ampfused::launch_clip_rejected>);
 }
 
 #ifndef AMPFUSED_WITH_CUDA

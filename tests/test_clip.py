@@ -319,17 +319,13 @@ BAD_CASES = [
     for arg, cases in BAD.items()
     for name, make, exc, match in cases
 ] + [
-    # A sparse table reaches no kernel of ours: clip_factor_ has no SparseCPU/SparseCUDA
-    # registration (the scaler ops have one), so the dispatcher's message names no argument.
+    # A sparse table reaches the op's own checks through its sparse-key registrations.
     pytest.param(
         "grad_stats",
         _sparse_table,
         NotImplementedError,
         r"^grad_stats must be a dense",
         id="grad_stats-sparse",
-        marks=pytest.mark.xfail(
-            strict=True, reason="clip_factor_ is not registered for sparse dispatch keys"
-        ),
     )
 ]
 ARG_INDEX = {"grad_stats": 0, "state": 1, "total_norm": 2, "factor": 3, "norm_type": 5}
@@ -516,19 +512,15 @@ def _clip_all(
             total = expected[0].to(run.params[0].device)
             torch.nn.utils.clip_grads_with_norm_(run.params, max_norm, total)
         else:
-            params = _torch_clip_params(run, norm_type)
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kw)
+            total = torch.nn.utils.clip_grad_norm_(run.params, max_norm, norm_type, **kw)
         totals[name] = total
     return totals
 
 
-def _torch_clip_params(run: Run, norm_type: float) -> list[nn.Parameter]:
-    """The parameters handed to torch's clip: all of them, but for the inf norm those with
-    non-empty gradients (torch's _foreach_norm raises for an empty tensor's inf norm, which
-    does not change the total; test_inf_norm_of_empty_gradients)."""
-    if norm_type != INF:
-        return run.params
-    return [p for p in run.params if p.grad is None or p.grad.numel()]
+def _shapes(norm_type: float) -> list[tuple[int, ...]]:
+    """SHAPES, without the empty gradients for the inf norm: torch's _foreach_norm refuses an
+    empty tensor's inf norm, and so does the scaler's clip (test_inf_norm_of_empty_gradients)."""
+    return [s for s in SHAPES if math.prod(s)] if norm_type == INF else SHAPES
 
 
 def _step_all(runs: dict[str, Run]) -> None:
@@ -611,7 +603,7 @@ def _train(runs, mix, max_norm, norm_type, pow2_scale=True) -> list[torch.Tensor
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_parity_with_torch(device, opt, mix, norm_type):
-    runs = _runs(device, opt, mix)
+    runs = _runs(device, opt, mix, shapes=_shapes(norm_type))
     totals = _train(runs, mix, ACTIVE_MAX_NORM[norm_type], norm_type)
     assert float(totals[0]) > ACTIVE_MAX_NORM[norm_type]  # the clip was active
     assert float(totals[1]) == INF and math.isnan(float(totals[2]))
@@ -673,7 +665,8 @@ def test_many_tiny_tensors(device):
 @pytest.mark.parametrize("inject", [None, "inf"])
 @pytest.mark.parametrize("norm_type", [2.0, INF, 1.0], ids=["l2", "inf", "l1"])
 def test_after_unscale_only_clips(device, norm_type, inject):
-    runs = _runs(device, "adamw", "fp32", init_scale=1000.0)  # a second unscale would show
+    # init_scale 1000: a second unscale would show
+    runs = _runs(device, "adamw", "fp32", shapes=_shapes(norm_type), init_scale=1000.0)
     _set_grads(runs, 0, inject)
     for run in runs.values():
         run.scaler.unscale_(run.opt)
@@ -868,8 +861,7 @@ def test_watch_report_comes_from_the_clip_pass(device, unscale_first):
 def test_two_devices_take_torchs_route(norm_type):
     """Gradients on two GPUs: unscale_ + torch's clip (found_inf per device), torch bit for
     bit."""
-    # no empty gradients: torch's inf norm raises on them (test_inf_norm_of_empty_gradients)
-    shapes = [s for s in SHAPES if math.prod(s)]
+    shapes = _shapes(norm_type)
     runs = {}
     for name, cls in (("torch", TorchScaler), ("fused", FusedScaler)):
         run = _build(name, cls("cuda", **SCALER_KW), "cuda", "adamw", "fp32", shapes)
@@ -892,11 +884,18 @@ def test_two_devices_take_torchs_route(norm_type):
 
 def test_inf_norm_of_empty_gradients(device):
     """torch's clip_grad_norm_(norm_type=inf) raises on an empty gradient (_foreach_norm has no
-    identity for the max); the scaler's fused route takes the max over the others, which is
-    the value torch gives without the empty gradients."""
+    identity for the max): the scaler's clip raises the same error, with the gradients left
+    unscaled, as torch's unscale_ + clip_grad_norm_ leaves them."""
     runs = _runs(device, "sgd", "fp32")
     _set_grads(runs, 0)
-    totals = _clip_all(runs, 0.05, INF)  # torch's side without the empty gradients
-    _same(totals["fused"], totals["torch"])
-    with pytest.raises(RuntimeError, match="infinity norm on an empty tensor"):
-        torch.nn.utils.clip_grad_norm_(runs["torch"].params, 0.05, INF)
+    assert any(g.numel() == 0 for g in runs["fused"].grads())
+    for name in ("fused", "torch"):
+        run = runs[name]
+        with pytest.raises(RuntimeError, match="infinity norm on an empty tensor"):
+            if name == "torch":
+                run.scaler.unscale_(run.opt)
+                torch.nn.utils.clip_grad_norm_(run.params, 0.05, INF)
+            else:
+                run.scaler.clip_grad_norm_(run.opt, 0.05, INF)
+    for k, (a, b) in enumerate(zip(runs["fused"].grads(), runs["torch"].grads(), strict=True)):
+        _same(a, b, f"grad {k}")

@@ -1136,6 +1136,29 @@ def test_params_without_grad_are_not_stepped(device):
         assert not torch.equal(params[i], before[i]) and masters[i] in opt.state
 
 
+def test_model_zero_grad_instead_of_optimizer_zero_grad(device):
+    """model.zero_grad() (the model's gradients only) between steps: a master whose parameter
+    has no gradient in the next step gets none, so its stale gradient is not stepped again."""
+    torch.manual_seed(0)
+    used, unused = nn.Linear(4, 4).half().to(device), nn.Linear(4, 4).half().to(device)
+    opt = ampfused.MasterWeights(torch.optim.SGD([*used.parameters(), *unused.parameters()], 0.1))
+    scaler = ampfused.GradScaler(device, init_scale=2.0**8)
+    x = torch.randn(3, 4, device=device).half()
+    scaler.scale(unused(used(x)).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    used.zero_grad()
+    unused.zero_grad()
+    masters = opt.master_params
+    before = [m.detach().clone() for m in masters]
+    scaler.scale(used(x).float().sum()).backward()
+    scaler.step(opt)
+    assert masters[2].grad is None and masters[3].grad is None
+    assert_bits(masters[2], before[2])
+    assert_bits(masters[3], before[3])
+    assert not torch.equal(masters[0], before[0])
+
+
 def test_constructor_errors(device):
     net = make_net(F16, device)
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got list"):
@@ -1222,6 +1245,39 @@ def test_allow_fp16_unscales_in_place_like_torch(device):
         assert [v.item() for v in found.values()] == [v.item() for v in ref_found.values()]
 
 
+def test_allow_fp16_reaches_a_subclass_hooking_unscale_grads(device):
+    """A subclass that hooks _unscale_grads_ (as sharded scalers do, to all-reduce found_inf)
+    takes torch's unscale path, which asks for allow_fp16=False: the option still holds."""
+    calls = []
+
+    class Hooked(ampfused.GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            calls.append(allow_fp16)
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    net, opt = fp16_sgd(device)
+    ref, opt_ref = copy.deepcopy(net), None
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = Hooked(device, init_scale=2.0**10, allow_fp16=True)
+    backward(net, scaler, 0, F16, device)
+    backward(ref, scaler, 0, F16, device)
+    scaler.unscale_(opt)
+    assert calls == [False]
+    torch.amp.GradScaler._unscale_grads_(
+        torch.amp.GradScaler(device),
+        opt_ref,
+        scaler._scale.double().reciprocal().float(),
+        torch.zeros((), device=device),
+        True,
+    )
+    for p, pr in zip(net.parameters(), ref.parameters(), strict=True):
+        assert_bits(p.grad, pr.grad, str(p.dtype))
+    with pytest.raises(ValueError, match="^Attempting to unscale FP16 gradients"):
+        plain = Hooked(device)
+        backward(net, plain, 1, F16, device)
+        plain.unscale_(opt)
+
+
 @pytest.mark.parametrize("value", (1, 0, "yes", None))
 def test_allow_fp16_must_be_a_bool(value):
     with pytest.raises(TypeError, match="allow_fp16 must be True or False"):
@@ -1231,3 +1287,44 @@ def test_allow_fp16_must_be_a_bool(value):
 def test_allow_fp16_is_keyword_only():
     param = inspect.signature(ampfused.GradScaler).parameters["allow_fp16"]
     assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is False
+
+
+def test_torch_scaler_does_not_step_on_scaled_gradients(device):
+    """torch.amp.GradScaler walks the optimizer's groups (the masters, without gradients before
+    the wrapper's own pass) and finds nothing to unscale: it must fail loudly rather than let
+    MasterWeights.step cast the scaled float16 gradients and step on them."""
+    net = make_net(F16, device)
+    opt = ampfused.MasterWeights(torch.optim.SGD(net.parameters(), lr=0.05))
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
+    backward(net, scaler, 10, F16, device)
+    before = snapshot(net, opt)
+    with pytest.raises((AssertionError, RuntimeError, TypeError, ValueError)):
+        scaler.step(opt)
+    assert_snapshot(before, net, opt, "a refused step")
+
+
+def test_step_with_closure(device):
+    """step(closure) evaluates the closure (with grad enabled), casts its gradients and steps:
+    the recipe's bits, and the closure's loss returned."""
+    net = make_net(BF16, device, mixed=True)
+    ref, params_ref, masters_ref = twin(net)
+    opt = ampfused.MasterWeights(OPTIMIZERS["sgd_momentum"](net.parameters()))
+    opt_ref = OPTIMIZERS["sgd_momentum"](masters_ref)
+    off = torch.amp.GradScaler(device, enabled=False)
+    for i in range(3):
+
+        def closure(i=i):
+            opt.zero_grad()
+            loss = loss_of(net, i, BF16, device)
+            loss.backward()
+            return loss
+
+        with torch.no_grad():
+            loss = opt.step(closure)
+        loss_ref = loss_of(ref, i, BF16, device)
+        loss_ref.backward()
+        reference.master_weights_step(off, opt_ref, params_ref, masters_ref)
+        assert torch.equal(loss, loss_ref)
+        assert_same_training(net, opt, None, ref, masters_ref, opt_ref, None, f"step {i}")
+        opt_ref.zero_grad()
+        ref.zero_grad()

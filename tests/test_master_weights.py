@@ -1029,7 +1029,8 @@ def test_lr_scheduler_drives_the_lr(device):
     """StepLR on the wrapper changes the wrapped optimizer's lr, and the masters move by it:
     plain SGD's update, master - lr * grad, computed here from the master's float32 gradient."""
     net = make_net(F16, device)
-    opt = ampfused.MasterWeights(torch.optim.SGD(net.parameters(), lr=0.1))
+    # foreach=False: SGD's update is then param.add_(grad, alpha=-lr), the expression below.
+    opt = ampfused.MasterWeights(torch.optim.SGD(net.parameters(), lr=0.1, foreach=False))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     scaler = ampfused.GradScaler(device, init_scale=2.0**8, growth_interval=1000)
     lrs = []

@@ -22,7 +22,6 @@ the masters, and the masters are copied back to the model's parameters (rounded,
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -57,13 +56,17 @@ class MasterWeights(torch.optim.Optimizer):
     optimizer state untouched, as the scaler skips any step.  With a fused optimizer the masters'
     gradients are cast unscaled and the optimizer divides them by the scale on the device, as
     with float32 parameters (no host sync).  ``scaler.clip_grad_norm_(optimizer, ...)`` clips the
-    masters' float32 gradients.  Without a scaler (bfloat16 training), :meth:`step` casts the
-    gradients itself.
+    masters' float32 gradients; changing the model's gradients after the scaler's pass (torch's
+    ``clip_grad_norm_(model.parameters())`` after ``unscale_``) is refused by :meth:`step`, as
+    the change would be lost.  ``torch.amp.GradScaler`` finds no master gradients to unscale and
+    fails (use ampfused's).  Without a scaler (bfloat16 training), :meth:`step` casts the
+    gradients itself; :meth:`cast_grads` does it earlier, to clip or log the masters'.
 
-    The masters are the truth: after :meth:`step` the model's parameters are the masters
-    rounded (round to nearest even).  Change parameters through the masters
-    (:attr:`master_params`), or call :meth:`load_state_dict`.  :meth:`state_dict` holds the
-    wrapped optimizer's state plus the masters, so training resumes bit for bit.
+    After :meth:`step` the model's parameters are the masters rounded (round to nearest even).
+    A parameter written with another value between steps (an init, a ``load_state_dict`` of
+    the model) passes that value to its master; rewriting the same value keeps the master's
+    extra bits.  :meth:`state_dict` holds the wrapped optimizer's state plus the masters, so
+    training resumes bit for bit.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters, not stepped yet
@@ -107,17 +110,12 @@ class MasterWeights(torch.optim.Optimizer):
         # Position in _params of each low-precision parameter, by identity.
         self._low: dict[int, int] = {}
         # Per low-precision position: (gradient, its version) last cast into the master's
-        # gradient, and the parameter's version when it last equalled its master (rounded).
-        self._cast_from: dict[int, tuple[Tensor, int]] = {}
+        # gradient, with (the master's gradient, its version) right after the cast; and the
+        # parameter's version when it last equalled its master (rounded).
+        self._cast_from: dict[int, tuple[Tensor, int, Tensor, int]] = {}
         self._synced_version: dict[int, int] = {}
         # A scaler's pass filled the masters' gradients since the last step / zero_grad.
         self._grads_ready = False
-        # Until a scaler drives the steps, each low-precision gradient is cast into its master's
-        # as backward accumulates it, so whatever reads the masters' gradients before step()
-        # (clipping, a framework's gradient logging) sees them.  The first scaler pass removes
-        # the hooks: from then on its pass does the cast, unscaled, in one read.
-        self._scaler_driven = False
-        self._hooks: list = []
         for group in optimizer.param_groups:
             self._adopt(group)
 
@@ -166,18 +164,14 @@ class MasterWeights(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        # What an LR scheduler patched into this instance (torch's Optimizer leaves it out too),
-        # and the hook handles, made again by __setstate__.
+        # What an LR scheduler patched into this instance (torch's Optimizer leaves it out too).
         for key in ("step", "_opt_called"):
             state.pop(key, None)
-        state["_hooks"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._patch_step_function()
-        if not self._scaler_driven:
-            self._add_cast_hooks(self._low)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """The wrapped optimizer's ``add_param_group``, with masters for the new parameters."""
@@ -210,15 +204,6 @@ class MasterWeights(torch.optim.Optimizer):
             self._masters.append(m)
         group["params"] = masters
         self._low.update(added)
-        if not self._scaler_driven:
-            self._add_cast_hooks(added)
-
-    def _add_cast_hooks(self, positions: dict[int, int]) -> None:
-        hook = _CastHook(self)
-        for i in positions.values():
-            p = self._params[i]
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     # --------------------------------------------------------------------- gradients
     def _master_grad(self, i: int, g: Tensor) -> tuple[Tensor, Tensor]:
@@ -237,7 +222,7 @@ class MasterWeights(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _cast(self, i: int) -> None:
-        """The master's gradient from its parameter's, unscaled (no scaler)."""
+        """The master's gradient from its parameter's, not unscaled (no scaler)."""
         g = self._params[i].grad
         if g is None:
             self._masters[i].grad = None
@@ -245,7 +230,7 @@ class MasterWeights(torch.optim.Optimizer):
             self._check_layout(i, g)
             src, out = self._master_grad(i, g)
             out.copy_(src)
-            self._cast_from[i] = (g, g._version)
+            self._cast_from[i] = (g, g._version, out, out._version)
 
     def _check_layout(self, i: int, g: Tensor) -> None:
         if g.layout != torch.strided:
@@ -262,11 +247,6 @@ class MasterWeights(torch.optim.Optimizer):
         in place; a master whose parameter has no gradient gets none.  Returns one found_inf
         per device (float32, 1.0 where an input element was inf/NaN), as ``_unscale_grads_``.
         """
-        if not self._scaler_driven:
-            self._scaler_driven = True
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
         # device -> (low-precision grads, their master grads, other grads)
         work: dict[torch.device, tuple[list, list, list]] = {}
         cast_from = {}
@@ -282,8 +262,8 @@ class MasterWeights(torch.optim.Optimizer):
                 work.setdefault(g.device, ([], [], []))[2].append(g)
                 continue
             self._check_layout(i, g)
-            cast_from[i] = (g, g._version)
             src, out = self._master_grad(i, g)
+            cast_from[i] = (g, g._version, out)
             lows, outs, _ = work.setdefault(g.device, ([], [], []))
             lows.append(src)
             outs.append(out)
@@ -296,7 +276,7 @@ class MasterWeights(torch.optim.Optimizer):
             if others:
                 ops.non_finite_check_and_unscale_(others, flag, inv)
             found[device] = flag
-        self._cast_from = cast_from
+        self._cast_from = {i: (*seen, seen[2]._version) for i, seen in cast_from.items()}
         self._grads_ready = True
         return found
 
@@ -342,13 +322,45 @@ class MasterWeights(torch.optim.Optimizer):
             for i in low:
                 self._synced_version[i] = self._params[i]._version
 
+    def cast_grads(self) -> None:
+        """Cast the model's gradients into the masters' now (float32, exactly; not unscaled).
+
+        :meth:`step` does it when no :class:`ampfused.GradScaler` pass did, so call this only
+        to read or change the masters' gradients before ``step()`` without a scaler: clipping
+        them (``torch.nn.utils.clip_grad_norm_(optimizer.master_params, ...)``, or a
+        framework's clip through ``param_groups``, e.g. Lightning's ``bf16-true`` with
+        ``gradient_clip_val``: call it in ``on_before_optimizer_step``), or logging them.
+        ``step()`` then keeps what you did to them.
+
+        Raises:
+            RuntimeError: a model gradient changed after an earlier cast whose master gradient
+                was changed too (the two cannot be reconciled).
+        """
+        self._cast_stale()
+
     def _cast_stale(self) -> None:
-        """Without a scaler: cast the gradients the hooks did not (set by hand, changed since)."""
+        """Without a scaler: cast the gradients not cast yet, or changed since their cast.  A
+        gradient changed on both sides since the cast (the model's rewritten, the master's
+        clipped) cannot be reconciled: refused."""
         for i in self._low.values():
             g = self._params[i].grad
             seen = self._cast_from.get(i)
-            if g is None or seen is None or g is not seen[0] or g._version != seen[1]:
+            if g is None or seen is None:
                 self._cast(i)
+                continue
+            if g is seen[0] and g._version == seen[1]:
+                continue  # the master's gradient holds it (clipped or not)
+            mg = self._masters[i].grad
+            if mg is not seen[2] or mg._version != seen[3]:
+                p = self._params[i]
+                raise RuntimeError(
+                    f"MasterWeights: the gradient of a {p.dtype} parameter of shape "
+                    f"{tuple(p.shape)} changed after cast_grads() cast it into its float32 "
+                    "master, and the master's gradient was changed since too: the two cannot "
+                    "be reconciled. Finish writing the model's gradients, then call "
+                    "cast_grads() and change the masters' gradients"
+                )
+            self._cast(i)
 
     # --------------------------------------------------------------------- Optimizer API
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -468,25 +480,3 @@ class MasterWeights(torch.optim.Optimizer):
         self._grads_ready = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-class _CastHook:
-    """A parameter's post-accumulate-grad hook: cast its gradient into its master's.  Holds
-    its MasterWeights weakly (the model does not keep the optimizer alive); pickled as a no-op
-    (an unpickled MasterWeights hooks its unpickled parameters again)."""
-
-    def __init__(self, wrapper: MasterWeights) -> None:
-        self.wrapper: Callable[[], MasterWeights | None] = weakref.ref(wrapper)
-
-    def __call__(self, param: Tensor) -> None:
-        wrapper = self.wrapper()
-        if wrapper is not None and not wrapper._scaler_driven:
-            i = wrapper._low.get(id(param))
-            if i is not None:
-                wrapper._cast(i)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.wrapper = lambda: None

@@ -177,11 +177,16 @@ class MastersRunner(ScalerRunner):
     def __init__(self, gs: GradSet, fused: bool) -> None:
         super().__init__(ampfused.GradScaler if fused else torch.amp.GradScaler, gs)
         self.fused = fused
-        self.params, self.grads = gs.params, gs.grads
+        # Parameters of its own (the GradSet's are views of one shared buffer, whose version
+        # counter the other runner's copy back would bump), holding the GradSet's gradients.
+        self.params = [torch.nn.Parameter(p.detach().clone()) for p in gs.params]
+        for p, g in zip(self.params, gs.grads, strict=True):
+            p.grad = g
+        self.grads = gs.grads
         if fused:
-            self.optimizer = ampfused.MasterWeights(NoOpOptimizer(gs.params))
+            self.optimizer = ampfused.MasterWeights(NoOpOptimizer(self.params))
             return
-        self.masters = [p.detach().float() for p in gs.params]
+        self.masters = [p.detach().float() for p in self.params]
         self.master_grads = [torch.empty_like(m) for m in self.masters]
         for m, g in zip(self.masters, self.master_grads, strict=True):
             m.grad = g

@@ -247,9 +247,11 @@ class MasterWeights(torch.optim.Optimizer):
         in place; a master whose parameter has no gradient gets none.  Returns one found_inf
         per device (float32, 1.0 where an input element was inf/NaN), as ``_unscale_grads_``.
         """
-        # device -> (low-precision grads, their master grads, other grads)
+        # device -> (low-precision grads, their master grads, other grads).  One Python
+        # iteration per parameter, kept lean: it is this pass's whole host cost.
         work: dict[torch.device, tuple[list, list, list]] = {}
         cast_from = {}
+        strided = torch.strided
         for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             g = p.grad
             if g is None:
@@ -261,9 +263,15 @@ class MasterWeights(torch.optim.Optimizer):
                     g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
                 work.setdefault(g.device, ([], [], []))[2].append(g)
                 continue
-            self._check_layout(i, g)
-            src, out = self._master_grad(i, g)
-            cast_from[i] = (g, g._version, out)
+            if g.layout is not strided:
+                self._check_layout(i, g)
+            src, out = g, m.grad
+            # Both contiguous: the same strides (same shape), the master's gradient reused.
+            if out is None or not (g.is_contiguous() and out.is_contiguous()):
+                src, out = self._master_grad(i, g)
+            # The master's version is not recorded (-1): after a scaler's pass, step() checks
+            # only the model's side (_check_unchanged_since_pass).
+            cast_from[i] = (g, g._version, out, -1)
             lows, outs, _ = work.setdefault(g.device, ([], [], []))
             lows.append(src)
             outs.append(out)
@@ -276,7 +284,7 @@ class MasterWeights(torch.optim.Optimizer):
             if others:
                 ops.non_finite_check_and_unscale_(others, flag, inv)
             found[device] = flag
-        self._cast_from = {i: (*seen, seen[2]._version) for i, seen in cast_from.items()}
+        self._cast_from = cast_from
         self._grads_ready = True
         return found
 

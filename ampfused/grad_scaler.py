@@ -802,6 +802,7 @@ class GradScaler(torch.amp.GradScaler):
         assert scale is not None and tracker is not None
         if not (scale.is_cuda or scale.is_cpu):
             return None
+        allow_fp16 = allow_fp16 or self._allow_fp16  # as _unscale_grads_ for torch's walk
         if isinstance(optimizer, MasterWeights):
             # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
             # casts them unscaled, for an optimizer that divides by the scale itself).
@@ -813,8 +814,11 @@ class GradScaler(torch.amp.GradScaler):
                 )
             if self._watch is not None:
                 self._watch.not_covered("a MasterWeights optimizer's pass")
-            inv = torch.ones((), dtype=torch.float32, device=scale.device)
-            return optimizer._grads_to_masters(inv if check_only else self._inv_scale())
+            if check_only:
+                inv = torch.ones((), dtype=torch.float32, device=scale.device)
+            else:
+                inv = self._inv_scale()
+            return optimizer._grads_to_masters(inv)
         if type(self)._unscale_grads_ is not GradScaler._unscale_grads_:
             # A subclass hooks the unscale (e.g. to all-reduce found_inf, as sharded scalers
             # do): torch's unscale_/_check_inf_per_device call it, so take that path.
@@ -914,9 +918,7 @@ class GradScaler(torch.amp.GradScaler):
             )
         # Without scaling there is nothing to divide: the pass only checks (float16 included).
         scaling = self._scaling
-        found = self._fused_found_inf(
-            optimizer, check_only=not scaling, allow_fp16=not scaling or self._allow_fp16
-        )
+        found = self._fused_found_inf(optimizer, check_only=not scaling, allow_fp16=not scaling)
         if found is None:
             super().unscale_(optimizer)  # torch's path (its own stage checks pass: still READY)
             return
@@ -1011,7 +1013,7 @@ class GradScaler(torch.amp.GradScaler):
             found = self._fused_found_inf(
                 optimizer,
                 check_only=True,
-                allow_fp16=not self._scaling or self._allow_fp16,
+                allow_fp16=not self._scaling,
                 tables=tables,
             )
         if found is not None and not unscaled:

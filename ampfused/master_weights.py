@@ -109,11 +109,14 @@ class MasterWeights(torch.optim.Optimizer):
         self._masters: list[Tensor] = []
         # Position in _params of each low-precision parameter, by identity.
         self._low: dict[int, int] = {}
+        # The low-precision parameters and their masters, in that order (the copy back's
+        # lists), and each parameter's version when it last equalled its master (rounded).
+        self._low_params: list[Tensor] = []
+        self._low_masters: list[Tensor] = []
+        self._synced_versions: list[int] = []
         # Per low-precision position: (gradient, its version) last cast into the master's
-        # gradient, with (the master's gradient, its version) right after the cast; and the
-        # parameter's version when it last equalled its master (rounded).
+        # gradient, with (the master's gradient, its version) right after the cast.
         self._cast_from: dict[int, tuple[Tensor, int, Tensor, int]] = {}
-        self._synced_version: dict[int, int] = {}
         # A scaler's pass filled the masters' gradients since the last step / zero_grad.
         self._grads_ready = False
         for group in optimizer.param_groups:
@@ -198,7 +201,9 @@ class MasterWeights(torch.optim.Optimizer):
                     m = torch.empty_like(p, dtype=torch.float32).copy_(p)
                 m.requires_grad_(p.requires_grad)
                 added[id(p)] = len(self._params)
-                self._synced_version[len(self._params)] = p._version
+                self._low_params.append(p)
+                self._low_masters.append(m)
+                self._synced_versions.append(p._version)
             masters.append(m)
             self._params.append(p)
             self._masters.append(m)
@@ -314,21 +319,18 @@ class MasterWeights(torch.optim.Optimizer):
         the master's, rounded (an init after wrapping, a model.load_state_dict of other
         weights), gives its master its new value.  The same value (a checkpoint's model
         weights loaded after its optimizer state) keeps the master's extra bits."""
-        for i in self._low.values():
-            p = self._params[i]
-            if p._version != self._synced_version[i]:
-                m = self._masters[i]
+        synced = self._synced_versions
+        for k, (p, m) in enumerate(zip(self._low_params, self._low_masters, strict=True)):
+            if p._version != synced[k]:
                 if not torch.equal(p, m.to(p.dtype)):
                     m.copy_(p)
-                self._synced_version[i] = p._version
+                synced[k] = p._version
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:
-        low = list(self._low.values())
-        if low:
-            torch._foreach_copy_([self._params[i] for i in low], [self._masters[i] for i in low])
-            for i in low:
-                self._synced_version[i] = self._params[i]._version
+        if self._low_params:
+            torch._foreach_copy_(self._low_params, self._low_masters)
+            self._synced_versions = [p._version for p in self._low_params]
 
     def cast_grads(self) -> None:
         """Cast the model's gradients into the masters' now (float32, exactly; not unscaled).

@@ -27,9 +27,19 @@ WITH_CUDA: bool = bool(_C.with_cuda)
 __all__ = [
     "GradScaler",
     "MasterWeights",
+    "ShardedGradScaler",
     "OptState",
     "ops",
     "reference",
     "WITH_CUDA",
     "__version__",
 ]
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    # ShardedGradScaler imports torch's FSDP1 package: loaded on first use only.
+    if name == "ShardedGradScaler":
+        from ampfused.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler
+    raise AttributeError(f"module 'ampfused' has no attribute {name!r}")

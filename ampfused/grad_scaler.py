@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ampfused import _C, diagnostics, ops
+from ampfused import _C, _dist, diagnostics, ops
 from ampfused._torch_private import (
     OptState,
     amp_update_scale_,
@@ -435,6 +435,14 @@ class GradScaler(torch.amp.GradScaler):
             every update under half their ulp, so training can stall silently.  The supported
             ways: float32 parameters under ``torch.autocast``, or float16 parameters with
             float32 masters (:class:`ampfused.MasterWeights`).
+        found_inf_group: a ``torch.distributed`` process group, or a list of them, over which
+            every found_inf flag is all-reduced (MAX) as soon as a pass has computed it, before
+            the optimizer's step or :meth:`update` reads it, so every rank skips the same steps
+            and keeps the same scale.  For DDP when gradients are changed per rank after the
+            all-reduce, and for tensor/pipeline parallel groups (Megatron reduces over its
+            model-parallel group).  One all-reduce per group per pass, on the flag's device (no
+            host sync with NCCL); a rank with no gradients joins with a zero flag.  DTensor
+            gradients (FSDP2, tensor parallel) are reduced over their meshes without it.
 
     Raises:
         AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch).
@@ -461,7 +469,9 @@ class GradScaler(torch.amp.GradScaler):
         at_min_scale: str = "clamp",
         scaling: bool = True,
         allow_fp16: bool = False,
+        found_inf_group: Any = None,
     ) -> None:
+        found_inf_groups = _dist.check_found_inf_group(type(self).__name__, found_inf_group)
         if type(scaling) is not bool:
             raise TypeError(f"GradScaler: scaling must be True or False, got {scaling!r}")
         if type(allow_fp16) is not bool:
@@ -502,6 +512,7 @@ class GradScaler(torch.amp.GradScaler):
                 _check_update_arg("GradScaler", name, value)
         self._scaling = scaling
         self._allow_fp16 = allow_fp16
+        self._found_inf_plan = _dist.reductions(found_inf_groups, "max")
         if not scaling:
             # The guard: the scale is 1.0 and factors of 1.0 keep it there through torch's rule
             # and ours alike; passes only check (nothing is written) and steps with inf/NaN are
@@ -523,7 +534,15 @@ class GradScaler(torch.amp.GradScaler):
                     )
         self._set_policy(*policy)
 
-    _allow_fp16 = False  # scalers pickled before the option existed
+    # Scalers pickled before these options existed:
+    _allow_fp16 = False
+    _found_inf_plan: list = []
+    # The shape of the found_inf tensors unscale_() leaves in _per_optimizer_states (torch's
+    # ShardedGradScaler makes them (1,)).
+    _unscale_found_shape: tuple[int, ...] = ()
+    # How many leading reductions of _found_inf_plan the unscale_ of the next class in the MRO
+    # runs itself (torch's ShardedGradScaler's: the all-reduce over its process_group).
+    _plan_done_by_torch_unscale = 0
 
     def _init_fused_state(self) -> None:
         # _state (int32, _STATE_SIZE elements: ScalerState in csrc/unscale_math.h) owns _scale
@@ -818,7 +837,7 @@ class GradScaler(torch.amp.GradScaler):
                 inv = torch.ones((), dtype=torch.float32, device=scale.device)
             else:
                 inv = self._inv_scale()
-            return optimizer._grads_to_masters(inv)
+            return self._agree(optimizer._grads_to_masters(inv), (), 0)
         if type(self)._unscale_grads_ is not GradScaler._unscale_grads_:
             # A subclass hooks the unscale (e.g. to all-reduce found_inf, as sharded scalers
             # do): torch's unscale_/_check_inf_per_device call it, so take that path.
@@ -830,19 +849,16 @@ class GradScaler(torch.amp.GradScaler):
             return None
         groups = _read_param_groups(optimizer)
         dev = scale.device
-        nxt = self._pending_buffer(dev)
-        pending = self._pending
-        result = _C.fused_pass(
-            groups,
-            self._pass_state(),
-            nxt,
-            *factors,
-            *self._kernel_policy,
-            check_only,
-            pending is not None and bool(pending.found),
-            allow_fp16,
-            self._watch is not None or tables is not None,
-        )
+        result = self._run_pass(groups, check_only, allow_fp16, tables)
+        mesh_plan: list = []
+        if result is None:
+            # Tensor-subclass gradients: DTensors (FSDP2, tensor parallel) go through the pass
+            # as their local shards, with found_inf then reduced over their meshes.
+            local = _dist.local_shard_groups(groups)
+            if local is not None:
+                local_groups, mesh_plan = local
+                # (no statistics for clip: its norm would be this rank's shards' only)
+                result = self._run_pass(local_groups, check_only, allow_fp16, None)
         if result is None:
             # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
             # run it over the groups read above, with the inputs torch's methods give it.
@@ -853,14 +869,17 @@ class GradScaler(torch.amp.GradScaler):
             found_inf = torch.zeros((), dtype=torch.float32, device=dev)
             if self._watch is not None:
                 self._watch.not_covered("torch's own unscale path")
-            return torch.amp.GradScaler._unscale_grads_(
+            found = torch.amp.GradScaler._unscale_grads_(
                 self, _ParamGroups(groups), inv_scale, found_inf, allow_fp16
             )
+            return self._agree(found, (), 0)
+        pending = self._pending
         if pending is None:
             pending = self._pending = _Pending(
                 scale, tracker, (self._growth_factor, self._backoff_factor, self._growth_interval)
             )
         found = {}
+        first_table = len(self._stats_now)
         for device, found_inf, stats, positions in result:
             found[device] = found_inf
             if device == dev:
@@ -868,8 +887,63 @@ class GradScaler(torch.amp.GradScaler):
             if stats is not None:
                 if self._watch is not None:
                     self._stats_now.append((stats, positions, groups))
-                if tables is not None:
+                if tables is not None and not mesh_plan:
                     tables.append((stats, positions, groups))
+        return self._agree(found, mesh_plan, first_table)
+
+    def _run_pass(
+        self, groups: Any, check_only: bool, allow_fp16: bool, tables: list | None
+    ) -> list | None:
+        """_C.fused_pass over the groups with the scaler's state (None: a gradient needs torch's
+        walk, and nothing was read)."""
+        factors = _kernel_update_args(
+            self._growth_factor, self._backoff_factor, self._growth_interval
+        )
+        assert factors is not None
+        nxt = self._pending_buffer(self._scale.device)  # type: ignore[union-attr]
+        pending = self._pending
+        return _C.fused_pass(
+            groups,
+            self._pass_state(),
+            nxt,
+            *factors,
+            *self._kernel_policy,
+            check_only,
+            pending is not None and bool(pending.found),
+            allow_fp16,
+            self._watch is not None or tables is not None,
+        )
+
+    def _agree(
+        self,
+        found: dict[torch.device, torch.Tensor],
+        mesh_plan: Any,
+        first_table: int,
+        plan_done: int = 0,
+    ) -> dict[torch.device, torch.Tensor]:
+        """found_inf made the same on every rank: each flag all-reduced over the DTensors'
+        meshes (MAX), then over found_inf_group (MAX; ShardedGradScaler: SUM over its
+        process_group), in place, before anything reads it.  A rank without gradients joins
+        with a zero flag on the scale's device, which it keeps as its result.  The pending
+        update, computed from this rank's flags, is dropped (update() computes it from the
+        agreed ones), and the verdict in this pass's statistics tables becomes the agreed one.
+        plan_done: how many of found_inf_group's reductions torch's own method already ran."""
+        plan = [*mesh_plan, *self._found_inf_plan[plan_done:]]
+        if not plan:
+            return found
+        if not found:
+            dev = self._scale.device  # type: ignore[union-attr]
+            found = {dev: torch.zeros((), dtype=torch.float32, device=dev)}
+        flags = list(found.values())
+        _dist.all_reduce_flags(flags, plan)
+        self._pending = None
+        tables = self._stats_now[first_table:]
+        if tables:
+            skipped = flags[0] > 0
+            for f in flags[1:]:
+                skipped = skipped | (f.to(skipped.device) > 0)
+            for table, _, _ in tables:
+                table[0, 2].copy_(skipped, non_blocking=True)
         return found
 
     @_not_traced_eager
@@ -920,8 +994,17 @@ class GradScaler(torch.amp.GradScaler):
         scaling = self._scaling
         found = self._fused_found_inf(optimizer, check_only=not scaling, allow_fp16=not scaling)
         if found is None:
-            super().unscale_(optimizer)  # torch's path (its own stage checks pass: still READY)
-            return
+            # torch's path (its own stage checks pass: still READY); a ShardedGradScaler's has
+            # all-reduced over its process_group already
+            super().unscale_(optimizer)
+            found = self._agree(
+                optimizer_state["found_inf_per_device"],
+                (),
+                len(self._stats_now),
+                self._plan_done_by_torch_unscale,
+            )
+        if self._unscale_found_shape:
+            found = {d: f.reshape(self._unscale_found_shape) for d, f in found.items()}
         optimizer_state["found_inf_per_device"] = found
         optimizer_state["stage"] = _UNSCALED
 
@@ -932,7 +1015,9 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("_check_inf_per_device")
         found = self._fused_found_inf(optimizer, check_only=True, allow_fp16=True)
         if found is None:
-            return super()._check_inf_per_device(optimizer)
+            super()._check_inf_per_device(optimizer)
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            found = self._agree(found, (), len(self._stats_now))
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -1054,7 +1139,12 @@ class GradScaler(torch.amp.GradScaler):
     def _multiply_grads(self, groups: Any, factor: torch.Tensor) -> None:
         """Every gradient of the groups times factor, in place (multiply-or-pass)."""
         flag = torch.zeros((), dtype=torch.float32, device=factor.device)
-        self._unscale_grads_(_ParamGroups(groups), factor, flag, True)
+        if _C.unscale_grads(groups, factor, flag, True) is not None:
+            return
+        local = _dist.local_shard_groups(groups)  # DTensors: their shards, no collective
+        if local is not None and _C.unscale_grads(local[0], factor, flag, True) is not None:
+            return
+        torch.amp.GradScaler._unscale_grads_(self, _ParamGroups(groups), factor, flag, True)
 
     def _unit_pass(self, optimizer: torch.optim.Optimizer, tables: list) -> dict | None:
         """A read-only pass with statistics over gradients already unscaled (scale 1, the

@@ -1,0 +1,160 @@
+"""What the scaler needs from torch.distributed: the groups found_inf is agreed over, DTensor
+gradients handed to the fused pass as their local shards, and the all-reduce itself.
+
+Every rank of a data-, tensor- or pipeline-parallel job must make the same skip decision and keep
+the same scale; otherwise replicas diverge, or hang in the next collective.  ampfused makes the
+decision agree by all-reducing each found_inf flag before anything reads it (the optimizer's
+step, ``update()``), on the device, with no host sync where the backend has none (NCCL).
+
+torch.distributed is imported only when a group is given or a gradient is a DTensor: a
+single-process user pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# (group, op): one all-reduce of the flag.  group None is torch's default (world) group.
+Reduction = tuple[Any, Any]
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def check_found_inf_group(where: str, value: Any, name: str = "found_inf_group") -> tuple[Any, ...]:
+    """The found_inf_group argument (or another named ``name``) as a tuple of process groups (empty: no reduction).
+
+    Accepts a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD`` once the default group is
+    initialized, ``dist.new_group(...)``, a ``DeviceMesh``'s ``get_group(dim)``), or a list or
+    tuple of them.  On a rank outside a group, ``dist.new_group`` returns
+    ``GroupMember.NON_GROUP_MEMBER``: accepted, and no collective is run over that group there.
+    """
+    if value is None:
+        return ()
+    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    dist = _dist()
+    if not dist.is_available():
+        raise RuntimeError(
+            f"{where}: {name} needs torch.distributed, which this build of torch "
+            "does not have"
+        )
+    from torch.distributed.distributed_c10d import GroupMember
+
+    groups = []
+    for i, group in enumerate(items):
+        if group is GroupMember.NON_GROUP_MEMBER:
+            continue
+        if not isinstance(group, dist.ProcessGroup):
+            what = name if len(items) == 1 else f"{name}[{i}]"
+            hint = (
+                " (torch.distributed.group.WORLD is None until init_process_group() has run: "
+                "make the scaler after it)"
+                if group is None
+                else ""
+            )
+            raise TypeError(
+                f"{where}: {what} must be a torch.distributed.ProcessGroup (such as "
+                "torch.distributed.group.WORLD, a dist.new_group(...) or a DeviceMesh's "
+                f"get_group(dim)) or a list of them, got {type(group).__name__}{hint}"
+            )
+        if all(group is not g for g in groups):
+            groups.append(group)
+    return tuple(groups)
+
+
+def reductions(groups: Sequence[Any], op_name: str) -> list[Reduction]:
+    """(group, op) for each group: op_name "max" or "sum"."""
+    if not groups:
+        return []
+    dist = _dist()
+    op = dist.ReduceOp.MAX if op_name == "max" else dist.ReduceOp.SUM
+    return [(g, op) for g in groups]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def local_shard_groups(groups: Sequence[Any]) -> tuple[list[dict], list[Reduction]] | None:
+    """Param groups for the fused pass in which every DTensor gradient is its local shard, and
+    the reductions that make found_inf agree over the DTensors' meshes; None if a gradient is
+    another tensor subclass (or a DTensor whose local shard is one): torch's path takes those.
+
+    Each DTensor parameter is replaced by a plain tensor whose ``.grad`` is the gradient's local
+    shard (a view of the same memory, so the pass unscales the DTensor's own storage); every
+    other entry stays, so positions (and watch()'s statistics) are those of ``groups``.
+
+    found_inf is reduced with MAX over every mesh dimension on which ANY gradient's placement is
+    not Replicate (Shard or Partial): local shards there hold different values, so a rank may
+    see an inf the others do not.  torch's DTensor handler looks at the first gradient's
+    placements only, so with tensor parallelism (a Replicate gradient first, an inf in a Shard
+    one) its ranks can disagree.  A mesh reduced over all its dimensions that spans the world
+    takes one all-reduce over the world group; otherwise one per dimension, in dimension order.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return None
+    out: list[dict] = []
+    meshes: list[tuple[Any, set[int]]] = []  # (mesh, dims to reduce), in first-seen order
+    with torch.no_grad():
+        for group in groups:
+            params = []
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None and type(grad) is not torch.Tensor:
+                    if not isinstance(grad, dtensor):
+                        return None
+                    local = grad.to_local()
+                    if type(local) is not torch.Tensor:
+                        return None
+                    proxy = local.detach()
+                    proxy.grad = local
+                    p = proxy
+                    mesh = grad.device_mesh
+                    for entry in meshes:
+                        if entry[0] is mesh or entry[0] == mesh:
+                            dims = entry[1]
+                            break
+                    else:
+                        dims = set()
+                        meshes.append((mesh, dims))
+                    for dim, placement in enumerate(grad.placements):
+                        if not placement.is_replicate():
+                            dims.add(dim)
+                params.append(p)
+            out.append({**group, "params": params})
+    dist = _dist()
+    found: list[Reduction] = []
+    for mesh, dims in meshes:
+        if not dims:
+            continue
+        if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+            found.append((None, dist.ReduceOp.MAX))
+        else:
+            found += [(mesh.get_group(dim), dist.ReduceOp.MAX) for dim in sorted(dims)]
+    return out, found
+
+
+def all_reduce_flags(flags: Sequence[torch.Tensor], plan: Sequence[Reduction]) -> None:
+    """Each flag all-reduced, in place, by each (group, op) of the plan, in order (every rank runs
+    the same plan).  A CPU flag over an NCCL group (gradients offloaded to the CPU) is reduced
+    through a copy on the current CUDA device, as NCCL takes no CPU tensors."""
+    dist = _dist()
+    for flag in flags:
+        for group, op in plan:
+            if flag.device.type == "cpu" and dist.get_backend(group) == "nccl":
+                on_device = flag.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(on_device, op=op, group=group)
+                flag.copy_(on_device)
+            else:
+                dist.all_reduce(flag, op=op, group=group)

@@ -66,6 +66,9 @@ class StepReport:
         step: the iteration's index (``counters()["steps"]`` before its update, from 0).
         scale: the loss scale in force when the gradients were checked.
         skipped: whether inf/NaN was found, so the optimizer step was (or will be) skipped.
+            With a distributed agreement (``found_inf_group``, DTensor gradients,
+            ShardedGradScaler) it is the agreed verdict: True on every rank when any rank found
+            inf/NaN, while ``grads`` and ``offenders`` are this rank's own (its shards).
         grads: every parameter that had a gradient, in parameter order (the order given to
             ``watch``, then parameters it was not given).
         total_norm: L2 norm over all those gradients, float32.
@@ -89,6 +92,11 @@ class StepReport:
         )
         bad = self.offenders
         if not bad:
+            if self.skipped:  # the agreed verdict: another rank's gradients held inf/NaN
+                return (
+                    f"{head}, step skipped: all {len(self.grads)} gradients of this rank are "
+                    "finite, inf/NaN was found on another rank (its report names them)"
+                )
             return f"{head}, all {len(self.grads)} gradients finite"
         lines = [
             f"{head}: inf/NaN in {len(bad)} of {len(self.grads)} gradients"

@@ -1,0 +1,397 @@
+"""Scenarios run on every rank of a tests/_dist_pool.py pool: ``f(rank, world, device, **kw)``.
+
+Each trains a small model for a few steps with one scaler, puts inf/NaN into ONE rank's
+gradients at one step, and returns what the test compares across ranks, across scalers and
+with a single-process reference: per step the scale, the growth tracker, whether the optimizer
+stepped, the found_inf values; at the end every parameter's bytes.  Results are plain Python
+values (bytes, floats, lists), so they cross the process boundary as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ampfused
+
+INF = float("inf")
+STEPS = 5
+INF_STEP = 2  # the step whose gradients get inf/NaN, on one rank
+INIT_SCALE = 2.0**10
+GROWTH_INTERVAL = 2  # so the scale grows inside STEPS as well as backing off
+
+
+# ---------------------------------------------------------------------------------- pieces
+def snap(t: torch.Tensor) -> bytes:
+    """The tensor's bytes (a DTensor's full value: a collective, run on every rank)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    # (a clone: numpy would pin the storage, which FSDP frees by resizing it)
+    return t.detach().cpu().clone().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def make_scaler(kind: str, device: str) -> Any:
+    dt = torch.device(device).type
+    args = dict(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    if kind == "torch":
+        return torch.amp.GradScaler(dt, **args)
+    if kind == "ampfused":
+        return ampfused.GradScaler(dt, **args)
+    if kind == "ampfused-group":
+        return ampfused.GradScaler(dt, found_inf_group=dist.group.WORLD, **args)
+    if kind == "torch-sharded":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(dt, **args)
+    if kind == "ampfused-sharded":
+        return ampfused.ShardedGradScaler(dt, **args)
+    raise ValueError(kind)
+
+
+def make_opt(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    if kind == "adam-fused":
+        return torch.optim.Adam(params, lr=1e-2, fused=True)
+    raise ValueError(kind)
+
+
+def make_model(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+
+
+def batch(step: int, rank: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 8, generator=g).to(device)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(torch.device(x.device).type, dtype=torch.float16):
+        return model(x).float().square().mean()
+
+
+def scaler_state(scaler: Any) -> tuple[float, int]:
+    sd = scaler.state_dict()
+    return float(sd["scale"]), int(sd["_growth_tracker"])
+
+
+def found_infs(scaler: Any, opt: Any) -> list[tuple[tuple[int, ...], list[float]]]:
+    """(shape, values) of each found_inf the scaler recorded for opt this iteration."""
+    flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+    return [(tuple(f.shape), f.reshape(-1).tolist()) for f in flags]
+
+
+def train(
+    rank: int,
+    model: nn.Module,
+    wrapped: nn.Module,
+    opt: Any,
+    scaler: Any,
+    device: str,
+    poison: Any,
+    inf_rank: int = 1,
+) -> list[dict]:
+    """STEPS iterations of scale(loss).backward(), step, update; at INF_STEP, on inf_rank,
+    poison(model) writes inf/NaN into a gradient after backward (after DDP's all-reduce,
+    FSDP's reduce-scatter)."""
+    log = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss_of(wrapped, batch(step, rank, device))).backward()
+        if step == INF_STEP and rank == inf_rank:
+            with torch.no_grad():
+                poison(model)
+        before = [snap(p) for p in model.parameters()]
+        scaler.step(opt)
+        flags = found_infs(scaler, opt)
+        scaler.update()
+        stepped = before != [snap(p) for p in model.parameters()]
+        log.append({"state": scaler_state(scaler), "stepped": stepped, "found_inf": flags})
+    return log
+
+
+def result(log: list[dict], model: nn.Module, **extra: Any) -> dict:
+    return {"log": log, "params": [snap(p) for p in model.parameters()], **extra}
+
+
+def poison_first_weight(value: float = INF) -> Any:
+    def poison(model: nn.Module) -> None:
+        grad = next(model.parameters()).grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        local.view(-1)[0] = value
+
+    return poison
+
+
+# ---------------------------------------------------------------------------------- reference
+def reference(world: int, opt_kind: str, device: str = "cpu") -> dict:
+    """One process, the same data: the mean of the ranks' losses (what DDP and FSDP average),
+    ampfused.GradScaler, and inf in the gradients at INF_STEP (every rank skips it)."""
+    model = make_model(device)
+    opt = make_opt(opt_kind, model.parameters())
+    scaler = make_scaler("ampfused", device)
+    log = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses = [loss_of(model, batch(step, r, device)) for r in range(world)]
+        scaler.scale(sum(losses) / world).backward()
+        if step == INF_STEP:
+            with torch.no_grad():
+                poison_first_weight()(model)
+        scaler.step(opt)
+        scaler.update()
+        log.append({"state": scaler_state(scaler)})
+    return {"log": log, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+# ---------------------------------------------------------------------------------- scenarios
+def ddp(rank: int, world: int, device: str, scaler: str, opt: str, poison_value: float = INF):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model(device)
+    wrapped = DistributedDataParallel(model)
+    optimizer = make_opt(opt, model.parameters())
+    sc = make_scaler(scaler, device)
+    log = train(rank, model, wrapped, optimizer, sc, device, poison_first_weight(poison_value))
+    return result(log, model)
+
+
+def fsdp1(rank: int, world: int, device: str, scaler: str, opt: str, fp16_grads: bool = False):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    model = make_model(device)
+    mp = None
+    if fp16_grads:
+        mp = MixedPrecision(
+            param_dtype=torch.float16, reduce_dtype=torch.float16, keep_low_precision_grads=True
+        )
+    wrapped = FullyShardedDataParallel(
+        model, device_id=torch.device(device), mixed_precision=mp, use_orig_params=False
+    )
+    optimizer = make_opt(opt, wrapped.parameters())
+    sc = make_scaler(scaler, device)
+    log = train(rank, wrapped, wrapped, optimizer, sc, device, poison_first_weight())
+    with FullyShardedDataParallel.summon_full_params(wrapped):
+        params = [snap(p) for p in wrapped.parameters()]
+    grad_dtypes = sorted({str(p.grad.dtype) for p in wrapped.parameters() if p.grad is not None})
+    return {"log": log, "params": params, "grad_dtypes": grad_dtypes}
+
+
+def _count_torch_unscale() -> list[int]:
+    """Counts calls of torch's foreach check-and-unscale (what torch's scaler runs and
+    ampfused's fused path does not)."""
+    calls = [0]
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    torch._amp_foreach_non_finite_check_and_unscale_ = counted
+    return calls
+
+
+def fsdp2(rank: int, world: int, device: str, scaler: str, opt: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    model = make_model(device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_opt(opt, model.parameters())
+    sc = make_scaler(scaler, device)
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+    calls = _count_torch_unscale()
+    try:
+        log = train(rank, model, model, optimizer, sc, device, poison_first_weight())
+    finally:
+        torch._amp_foreach_non_finite_check_and_unscale_ = original
+    return result(log, model, torch_unscale_calls=calls[0])
+
+
+def tensor_parallel(
+    rank: int, world: int, device: str, scaler: str, opt: str, shard_first: bool = False
+):
+    """A 2-D mesh (data x tensor parallel, 1 x world): a Replicate parameter and a Shard(0)
+    one, whose gradients are set as DTensors of those placements; inf goes into rank 1's shard
+    of the sharded gradient only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(torch.device(device).type, (1, world), mesh_dim_names=("dp", "tp"))
+    rep, shard = [Replicate(), Replicate()], [Replicate(), Shard(0)]
+    torch.manual_seed(0)
+    w_rep = nn.Parameter(distribute_tensor(torch.randn(4, 4, device=device), mesh, rep))
+    w_shard = nn.Parameter(distribute_tensor(torch.randn(8, 4, device=device), mesh, shard))
+    params = [w_shard, w_rep] if shard_first else [w_rep, w_shard]
+    optimizer = make_opt(opt, params)
+    sc = make_scaler(scaler, device)
+    log = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        scale = sc.scale(torch.ones((), device=device))  # (a loss, as a backward would scale)
+        w_rep.grad = distribute_tensor(torch.randn(4, 4, generator=g).to(device) * scale, mesh, rep)
+        w_shard.grad = distribute_tensor(
+            torch.randn(8, 4, generator=g).to(device) * scale, mesh, shard
+        )
+        if step == INF_STEP and rank == 1:
+            w_shard.grad.to_local()[0, 0] = INF
+        before = [snap(p) for p in params]
+        sc.step(optimizer)
+        flags = found_infs(sc, optimizer)
+        sc.update()
+        stepped = before != [snap(p) for p in params]
+        log.append({"state": scaler_state(sc), "stepped": stepped, "found_inf": flags})
+    return {"log": log, "params": [snap(p) for p in params]}
+
+
+def groups_without_params(rank: int, world: int, device: str, opt: str):
+    """Megatron-style: found_inf reduced over a list of groups; rank 1's optimizer has no
+    gradient at all (a pipeline stage without parameters of this kind); rank 0 finds inf at
+    INF_STEP.  Every rank must take part in every collective and skip the same step.  The second
+    group holds rank 0 only: on rank 1 dist.new_group returns NON_GROUP_MEMBER."""
+    everyone = dist.new_group(list(range(world)))
+    only_first = dist.new_group([0])
+    sc = ampfused.GradScaler(
+        torch.device(device).type,
+        init_scale=INIT_SCALE,
+        growth_interval=GROWTH_INTERVAL,
+        found_inf_group=[everyone, only_first],
+    )
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5, device=device))
+    optimizer = make_opt(opt, [p])
+    log = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        if rank == 0:
+            sc.scale((p * p).sum()).backward()
+            if step == INF_STEP:
+                with torch.no_grad():
+                    p.grad[1] = INF
+        else:
+            sc.scale(torch.ones((), device=device))  # the lazy init, as a forward would
+        sc.step(optimizer)
+        flags = found_infs(sc, optimizer)
+        sc.update()
+        log.append({"state": scaler_state(sc), "found_inf": flags, "counters": sc.counters()})
+    return {"log": log}
+
+
+def watched(rank: int, world: int, device: str):
+    """watch() with found_inf_group under DDP: inf on rank 1 after the all-reduce.  Both ranks'
+    reports say the step was skipped; only rank 1's names the culprit; counters agree."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model(device)
+    wrapped = DistributedDataParallel(model)
+    optimizer = make_opt("sgd", model.parameters())
+    sc = make_scaler("ampfused-group", device).watch(model)
+    out = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        sc.scale(loss_of(wrapped, batch(step, rank, device))).backward()
+        if step == INF_STEP and rank == 1:
+            with torch.no_grad():
+                model[2].bias.grad[0] = float("nan")
+        sc.step(optimizer)
+        report = sc.report()
+        out.append(
+            {
+                "skipped": report.skipped,
+                "offenders": [g.name for g in report.offenders],
+                "step_skipped": sc.step_skipped(),
+                "text": str(report),
+            }
+        )
+        sc.update()
+    return {"reports": out, "counters": sc.counters(), "state": scaler_state(sc)}
+
+
+def master_weights(rank: int, world: int, device: str):
+    """float16 parameters with float32 masters (MasterWeights) under DDP, found_inf agreed:
+    inf in rank 1's float16 model gradient after the all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model(device).half()
+    wrapped = DistributedDataParallel(model)
+    optimizer = ampfused.MasterWeights(make_opt("adam", model.parameters()))
+    sc = make_scaler("ampfused-group", device)
+    log = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x = batch(step, rank, device).half()
+        sc.scale(wrapped(x).float().square().mean()).backward()
+        if step == INF_STEP and rank == 1:
+            with torch.no_grad():
+                model[0].weight.grad[0, 0] = INF
+        before = [snap(p) for p in model.parameters()]
+        sc.step(optimizer)
+        sc.update()
+        stepped = before != [snap(p) for p in model.parameters()]
+        log.append({"state": scaler_state(sc), "stepped": stepped})
+    return result(log, model)
+
+
+def fsdp2_checkpoint(rank: int, world: int, device: str, path: str, opt: str):
+    """FSDP2 resume through torch.distributed.checkpoint: train STEPS straight; train INF_STEP +
+    1 steps, save model, optimizer (DCP) and scaler, build everything afresh, load (set_state_dict
+    runs a dummy optimizer step to make the optimizer's state: the scaler must not notice), and
+    train the rest.  Both runs must end with the same bytes and the same scaler state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+
+    def build() -> tuple[nn.Module, Any, Any]:
+        model = make_model(device)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, make_opt(opt, model.parameters()), make_scaler("ampfused", device)
+
+    def run(model: nn.Module, optimizer: Any, sc: Any, steps: range) -> None:
+        for step in steps:
+            optimizer.zero_grad()
+            sc.scale(loss_of(model, batch(step, rank, device))).backward()
+            if step == INF_STEP and rank == 1:
+                with torch.no_grad():
+                    poison_first_weight()(model)
+            sc.step(optimizer)
+            sc.update()
+
+    straight = build()
+    run(*straight, range(STEPS))
+    expected = ([snap(p) for p in straight[0].parameters()], straight[2].state_dict())
+
+    first = build()
+    split = INF_STEP + 1
+    run(*first, range(split))
+    model_sd, optim_sd = get_state_dict(first[0], first[1])
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    scaler_sd = [first[2].state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(scaler_sd, src=0)
+
+    model, optimizer, sc = build()
+    sc.scale(torch.ones((), device=device))  # a scaler in use before loading, as in a resume
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the dummy step happens here
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sc.load_state_dict(scaler_sd[0])
+    loaded = sc.state_dict()
+    run(model, optimizer, sc, range(split, STEPS))
+    got = ([snap(p) for p in model.parameters()], sc.state_dict())
+    return {"expected": expected, "got": got, "loaded": loaded, "saved": scaler_sd[0]}

@@ -28,7 +28,8 @@ def _dist() -> Any:
 
 
 def check_found_inf_group(where: str, value: Any, name: str = "found_inf_group") -> tuple[Any, ...]:
-    """The found_inf_group argument (or another named ``name``) as a tuple of process groups (empty: no reduction).
+    """The found_inf_group argument (or another one, named ``name``) as a tuple of process
+    groups (empty: no reduction).
 
     Accepts a ``torch.distributed.ProcessGroup`` (``dist.group.WORLD`` once the default group is
     initialized, ``dist.new_group(...)``, a ``DeviceMesh``'s ``get_group(dim)``), or a list or
@@ -41,8 +42,7 @@ def check_found_inf_group(where: str, value: Any, name: str = "found_inf_group")
     dist = _dist()
     if not dist.is_available():
         raise RuntimeError(
-            f"{where}: {name} needs torch.distributed, which this build of torch "
-            "does not have"
+            f"{where}: {name} needs torch.distributed, which this build of torch does not have"
         )
     from torch.distributed.distributed_c10d import GroupMember
 

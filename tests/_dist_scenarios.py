@@ -97,14 +97,14 @@ def train(
     poison: Any,
     inf_rank: int = 1,
 ) -> list[dict]:
-    """STEPS iterations of scale(loss).backward(), step, update; at INF_STEP, on inf_rank,
-    poison(model) writes inf/NaN into a gradient after backward (after DDP's all-reduce,
-    FSDP's reduce-scatter)."""
+    """STEPS iterations of scale(loss).backward(), step, update; at INF_STEP, on inf_rank (-1:
+    every rank), poison(model) writes inf/NaN into a gradient after backward (after DDP's
+    all-reduce, FSDP's reduce-scatter)."""
     log = []
     for step in range(STEPS):
         opt.zero_grad()
         scaler.scale(loss_of(wrapped, batch(step, rank, device))).backward()
-        if step == INF_STEP and rank == inf_rank:
+        if step == INF_STEP and inf_rank in (rank, -1):
             with torch.no_grad():
                 poison(model)
         before = [snap(p) for p in model.parameters()]
@@ -162,7 +162,15 @@ def ddp(rank: int, world: int, device: str, scaler: str, opt: str, poison_value:
     return result(log, model)
 
 
-def fsdp1(rank: int, world: int, device: str, scaler: str, opt: str, fp16_grads: bool = False):
+def fsdp1(
+    rank: int,
+    world: int,
+    device: str,
+    scaler: str,
+    opt: str,
+    fp16_grads: bool = False,
+    inf_rank: int = 1,
+):
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     model = make_model(device)
@@ -176,7 +184,7 @@ def fsdp1(rank: int, world: int, device: str, scaler: str, opt: str, fp16_grads:
     )
     optimizer = make_opt(opt, wrapped.parameters())
     sc = make_scaler(scaler, device)
-    log = train(rank, wrapped, wrapped, optimizer, sc, device, poison_first_weight())
+    log = train(rank, wrapped, wrapped, optimizer, sc, device, poison_first_weight(), inf_rank)
     with FullyShardedDataParallel.summon_full_params(wrapped):
         params = [snap(p) for p in wrapped.parameters()]
     grad_dtypes = sorted({str(p.grad.dtype) for p in wrapped.parameters() if p.grad is not None})
@@ -389,7 +397,9 @@ def fsdp2_checkpoint(rank: int, world: int, device: str, path: str, opt: str):
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the dummy step happens here
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     sc.load_state_dict(scaler_sd[0])
     loaded = sc.state_dict()
     run(model, optimizer, sc, range(split, STEPS))

@@ -134,12 +134,18 @@ def test_fsdp1_matches_torchs_sharded_scaler(pool: RankPool) -> None:
         assert ours[rank]["params"] == theirs[rank]["params"]
         assert ours[rank]["log"] == theirs[rank]["log"]
     assert ours[0]["log"][scn.INF_STEP]["found_inf"] == [((1,), [1.0])]
-    assert_matches_reference({"log": ours[0]["log"], "params": _unflat(ours[0])}, "sgd")
+    assert_matches_reference(ours[0], "sgd")
 
 
-def _unflat(result: dict) -> list[bytes]:
-    """FSDP1's summoned full parameters are the model's, in its order: as the reference's."""
-    return result["params"]
+def test_fsdp1_found_inf_sums_over_ranks_as_torchs(pool: RankPool) -> None:
+    """inf on both ranks: torch's ShardedGradScaler all-reduces found_inf with SUM, so its
+    flags count the ranks (2.0); users who read them see the same from ampfused's."""
+    theirs = pool.run("fsdp1", scaler="torch-sharded", opt="sgd", inf_rank=-1)
+    ours = pool.run("fsdp1", scaler="ampfused-sharded", opt="sgd", inf_rank=-1)
+    assert theirs[0]["log"][scn.INF_STEP]["found_inf"] == [((1,), [2.0])]
+    for rank in range(WORLD):
+        assert ours[rank]["log"] == theirs[rank]["log"]
+        assert ours[rank]["params"] == theirs[rank]["params"]
 
 
 def test_fsdp1_fused_optimizer_all_reduces(pool: RankPool) -> None:

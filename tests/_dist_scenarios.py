@@ -96,10 +96,13 @@ def train(
     device: str,
     poison: Any,
     inf_rank: int = 1,
+    clip: float | None = None,
 ) -> list[dict]:
     """STEPS iterations of scale(loss).backward(), step, update; at INF_STEP, on inf_rank (-1:
     every rank), poison(model) writes inf/NaN into a gradient after backward (after DDP's
-    all-reduce, FSDP's reduce-scatter)."""
+    all-reduce, FSDP's reduce-scatter).  With clip, the gradients are clipped to that total
+    norm: by ampfused's scaler.clip_grad_norm_, or unscale_ + torch.nn.utils.clip_grad_norm_ for
+    torch's scalers; the norms are logged."""
     log = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -107,12 +110,23 @@ def train(
         if step == INF_STEP and inf_rank in (rank, -1):
             with torch.no_grad():
                 poison(model)
+        entry: dict[str, Any] = {}
+        if clip is not None:
+            if isinstance(scaler, ampfused.GradScaler):
+                norm = scaler.clip_grad_norm_(opt, clip)
+            else:
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            entry["norm"] = norm.item()
         before = [snap(p) for p in model.parameters()]
         scaler.step(opt)
         flags = found_infs(scaler, opt)
         scaler.update()
         stepped = before != [snap(p) for p in model.parameters()]
-        log.append({"state": scaler_state(scaler), "stepped": stepped, "found_inf": flags})
+        entry.update(state=scaler_state(scaler), stepped=stepped, found_inf=flags)
+        log.append(entry)
     return log
 
 
@@ -205,7 +219,7 @@ def _count_torch_unscale() -> list[int]:
     return calls
 
 
-def fsdp2(rank: int, world: int, device: str, scaler: str, opt: str):
+def fsdp2(rank: int, world: int, device: str, scaler: str, opt: str, clip: float | None = None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -220,7 +234,7 @@ def fsdp2(rank: int, world: int, device: str, scaler: str, opt: str):
     original = torch._amp_foreach_non_finite_check_and_unscale_
     calls = _count_torch_unscale()
     try:
-        log = train(rank, model, model, optimizer, sc, device, poison_first_weight())
+        log = train(rank, model, model, optimizer, sc, device, poison_first_weight(), clip=clip)
     finally:
         torch._amp_foreach_non_finite_check_and_unscale_ = original
     return result(log, model, torch_unscale_calls=calls[0])
@@ -405,3 +419,62 @@ def fsdp2_checkpoint(rank: int, world: int, device: str, path: str, opt: str):
     run(model, optimizer, sc, range(split, STEPS))
     got = ([snap(p) for p in model.parameters()], sc.state_dict())
     return {"expected": expected, "got": got, "loaded": loaded, "saved": scaler_sd[0]}
+
+
+class _HostReadsRaise:
+    """While active, every Python-level way to read a tensor's value on the host raises (as
+    tests/conftest.py's no_host_sync fixture, in a rank)."""
+
+    NAMES = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+    def __enter__(self) -> None:
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, _raiser(f"Tensor.{n}"))
+
+    def __exit__(self, *exc: Any) -> None:
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def _raiser(name: str) -> Any:
+    def read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"{name} called on a route that must not read the device")
+
+    return read
+
+
+def fused_step_reads_nothing(rank: int, world: int, device: str, engine: str) -> list[bool]:
+    """Adam(fused=True) under each engine: scaler.step and update, the all-reduce included,
+    read no tensor value on the host (on CUDA: no host sync)."""
+    model = make_model(device)
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped, params, sc = DistributedDataParallel(model), model.parameters(), "ampfused-group"
+    elif engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device(device))
+        params, sc = wrapped.parameters(), "ampfused-sharded"
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (world,)))
+        params, sc = model.parameters(), "ampfused"
+    optimizer = make_opt("adam-fused", params)
+    scaler = make_scaler(sc, device)
+    skipped = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(wrapped, batch(step, rank, device))).backward()
+        if step == INF_STEP and rank == 1:
+            with torch.no_grad():
+                poison_first_weight()(wrapped)
+        with _HostReadsRaise():
+            scaler.step(optimizer)
+            scaler.update()
+            flag = scaler.step_skipped_tensor()
+        skipped.append(bool(flag))
+    return skipped

@@ -188,6 +188,22 @@ def test_fsdp2_on_the_fused_path(pool: RankPool, backend: str, opt: str) -> None
         assert_matches_reference(ours[0], opt)
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adam-fused"])
+def test_fsdp2_clip_grad_norm(pool: RankPool, opt: str) -> None:
+    """scaler.clip_grad_norm_ on DTensor gradients clips by the norm over every rank's shards
+    (torch's clip_grad_norm_ after the local unscale; this rank's shards alone would be wrong):
+    the same total and bytes as torch's unscale_ + clip_grad_norm_."""
+    theirs = pool.run("fsdp2", scaler="torch", opt=opt, clip=0.05)
+    ours = pool.run("fsdp2", scaler="ampfused", opt=opt, clip=0.05)
+    assert_ranks_agree(ours)
+    assert_skipped_at_inf_step(ours)
+    for rank in range(WORLD):
+        assert ours[rank]["log"] == theirs[rank]["log"]
+        assert ours[rank]["params"] == theirs[rank]["params"]
+    norms = [e["norm"] for e in ours[0]["log"]]
+    assert norms[0] > 0.05 and norms[scn.INF_STEP] == float("inf")  # it clipped; inf is seen
+
+
 def test_fsdp2_checkpoint_resume(pool: RankPool, tmp_path: pytest.TempPathFactory) -> None:
     """torch.distributed.checkpoint resume (set_state_dict's dummy optimizer step included):
     the same bytes and the same scaler state (scale, tracker, counters) as an uninterrupted
@@ -297,3 +313,12 @@ def test_sharded_scaler_refuses_options_it_cannot_honour() -> None:
         ampfused.ShardedGradScaler("cpu", allow_fp16=False)
     with pytest.raises(TypeError, match="process_group must be"):
         ampfused.ShardedGradScaler("cpu", process_group="world")
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp1", "fsdp2"])
+def test_fused_optimizer_step_reads_nothing_on_the_host(pool: RankPool, engine: str) -> None:
+    """The fused-optimizer route stays sync-free with the all-reduce: step() and update() read
+    no tensor value on the host, on any rank, and every rank skips the step with inf."""
+    out = pool.run("fused_step_reads_nothing", engine=engine)
+    expected = [step == scn.INF_STEP for step in range(scn.STEPS)]
+    assert out == [expected] * WORLD

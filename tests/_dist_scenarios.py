@@ -184,8 +184,9 @@ def fsdp1(
     opt: str,
     fp16_grads: bool = False,
     inf_rank: int = 1,
+    cpu_offload: bool = False,
 ):
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
 
     model = make_model(device)
     mp = None
@@ -194,7 +195,11 @@ def fsdp1(
             param_dtype=torch.float16, reduce_dtype=torch.float16, keep_low_precision_grads=True
         )
     wrapped = FullyShardedDataParallel(
-        model, device_id=torch.device(device), mixed_precision=mp, use_orig_params=False
+        model,
+        device_id=torch.device(device),
+        mixed_precision=mp,
+        use_orig_params=False,
+        cpu_offload=CPUOffload(offload_params=cpu_offload),
     )
     optimizer = make_opt(opt, wrapped.parameters())
     sc = make_scaler(scaler, device)

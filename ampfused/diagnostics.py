@@ -72,6 +72,8 @@ class StepReport:
         grads: every parameter that had a gradient, in parameter order (the order given to
             ``watch``, then parameters it was not given).
         total_norm: L2 norm over all those gradients, float32.
+        rank: this process's rank in torch.distributed's default group when it is
+            initialized (every line of ``str(report)`` then starts with it), else None.
     """
 
     step: int
@@ -79,6 +81,7 @@ class StepReport:
     skipped: bool
     grads: list[GradStats] = field(repr=False)
     total_norm: float
+    rank: int | None = None
 
     @property
     def offenders(self) -> list[GradStats]:
@@ -86,8 +89,9 @@ class StepReport:
         return [g for g in self.grads if g.non_finite]
 
     def __str__(self) -> str:
+        where = "" if self.rank is None else f" (rank {self.rank})"
         head = (
-            f"ampfused step {self.step}: scale {self.scale:g}, "
+            f"ampfused step {self.step}{where}: scale {self.scale:g}, "
             f"total grad norm {self.total_norm:.4g}"
         )
         bad = self.offenders
@@ -189,7 +193,12 @@ def build_report(
         GradStats(name, norm, row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]), numel)
         for name, norm, row, numel in zip(r.names, r.norms, r.rows.tolist(), r.numels, strict=True)
     ]
-    return StepReport(r.step, r.scale, r.skipped, grads, r.total_norm)
+    return StepReport(r.step, r.scale, r.skipped, grads, r.total_norm, _rank())
+
+
+def _rank() -> int | None:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def grad_norms(

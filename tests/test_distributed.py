@@ -274,6 +274,7 @@ def test_watch_reports_the_agreed_verdict(pool: RankPool) -> None:
     assert out[0]["counters"] == out[1]["counters"]
     assert out[0]["counters"]["skipped_steps"] == 1
     assert "another rank" in out[0]["reports"][scn.INF_STEP]["text"]
+    assert out[1]["reports"][scn.INF_STEP]["text"].startswith("ampfused step 2 (rank 1): ")
 
 
 def test_master_weights_agree(pool: RankPool) -> None:

@@ -13,9 +13,10 @@ scaler, which it subclasses.  What changes is the cost of a step:
 
 Whenever the pending update might not be what torch would compute (the scale or a found_inf
 tensor was modified in between, factors changed, gradients on several devices, grads that are
-tensor subclasses), ``update()`` computes it again from the found_inf tensors, summed as torch
-sums them, by the same rule (``scaler_update_``), so results never differ, and the scale policy
-and the counters hold on every path.
+tensor subclasses, found_inf all-reduced across ranks: ``found_inf_group``, DTensor gradients,
+``ShardedGradScaler``; see ``ampfused/_dist.py``), ``update()`` computes it again from the
+found_inf tensors, summed as torch sums them, by the same rule (``scaler_update_``), so results
+never differ, and the scale policy and the counters hold on every path.
 
 Bad values are refused when they are given, not steps later: the constructor, the setters and
 ``load_state_dict`` try each value the way torch will use it (``torch.full`` for the scale and
@@ -1692,7 +1693,7 @@ class _Watch:
             self.warned = True
             warnings.warn(
                 f"ampfused GradScaler.watch: some gradients went through {path} (tensor "
-                "subclasses such as DTensor, a device without ampfused kernels, a subclass "
+                "subclasses other than DTensor, a device without ampfused kernels, a subclass "
                 "overriding _unscale_grads_, or MasterWeights), which records no statistics: "
                 "report() and grad_norms() do not cover that optimizer's gradients",
                 RuntimeWarning,

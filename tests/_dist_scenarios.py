@@ -224,7 +224,15 @@ def _count_torch_unscale() -> list[int]:
     return calls
 
 
-def fsdp2(rank: int, world: int, device: str, scaler: str, opt: str, clip: float | None = None):
+def fsdp2(
+    rank: int,
+    world: int,
+    device: str,
+    scaler: str,
+    opt: str,
+    clip: float | None = None,
+    poison_value: float = INF,
+):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -239,7 +247,8 @@ def fsdp2(rank: int, world: int, device: str, scaler: str, opt: str, clip: float
     original = torch._amp_foreach_non_finite_check_and_unscale_
     calls = _count_torch_unscale()
     try:
-        log = train(rank, model, model, optimizer, sc, device, poison_first_weight(), clip=clip)
+        poison = poison_first_weight(poison_value)
+        log = train(rank, model, model, optimizer, sc, device, poison, clip=clip)
     finally:
         torch._amp_foreach_non_finite_check_and_unscale_ = original
     return result(log, model, torch_unscale_calls=calls[0])

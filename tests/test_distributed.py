@@ -181,12 +181,14 @@ def test_fsdp1_cpu_offload(pool: RankPool, backend: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- FSDP2
-@pytest.mark.parametrize("opt", ["sgd", "adam", "adam-fused"])
-def test_fsdp2_on_the_fused_path(pool: RankPool, backend: str, opt: str) -> None:
+@pytest.mark.parametrize(
+    "opt, poison", [("sgd", "inf"), ("adam", "inf"), ("adam-fused", "inf"), ("adam", "nan")]
+)
+def test_fsdp2_on_the_fused_path(pool: RankPool, backend: str, opt: str, poison: str) -> None:
     """DTensor gradients: ampfused unscales the local shards with its own pass (torch's
     foreach unscale is never called) and gives torch's bytes, found_inf included."""
-    theirs = pool.run("fsdp2", scaler="torch", opt=opt)
-    ours = pool.run("fsdp2", scaler="ampfused", opt=opt)
+    theirs = pool.run("fsdp2", scaler="torch", opt=opt, poison_value=float(poison))
+    ours = pool.run("fsdp2", scaler="ampfused", opt=opt, poison_value=float(poison))
     assert_ranks_agree(ours)
     assert_skipped_at_inf_step(ours)
     assert all(r["torch_unscale_calls"] == 0 for r in ours)

@@ -250,7 +250,9 @@ def _stop(procs: list[Any]) -> None:
 def _records(
     w: Workload, names: Sequence[str], by_rank: dict[int, RankResult], wall_s: float
 ) -> list[Record]:
-    """Rank 0's times as records, rank 1's median in the note; ratios within the workload."""
+    """Rank 0's times as records; in the note, the other ranks' medians and the median over
+    steps of the slowest rank's time (what a lock-step job waits for); ratios within the
+    workload."""
     recs = {n: _base(QUESTION, w, METHODS[n]) for n in names}
     r0 = by_rank[0]
     for n, rec in recs.items():
@@ -268,6 +270,12 @@ def _records(
             for k, res in sorted(by_rank.items())
             if k != 0 and res.times.get(n)
         ]
+        # The same steps on every rank, in the same order: step i is done when the slowest
+        # rank has finished it.
+        per_rank = [res.times.get(n, []) for _, res in sorted(by_rank.items())]
+        if len(per_rank) > 1 and all(len(t) == len(per_rank[0]) > 0 for t in per_rank):
+            slowest = [max(step) for step in zip(*per_rank, strict=True)]
+            others.append(f"slowest rank per step median {fmt_time(Stats(slowest).median)}")
         rec.note = "; ".join(x for x in (rec.note, *others) if x)
         if n in r0.counts:
             rec.ops, rec.items = r0.counts[n]

@@ -414,4 +414,5 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
 def _added(with_collective: Record | None, without: Record | None) -> str:
     if with_collective is None or without is None:
         return "-"
-    return fmt_time(with_collective.median_s - without.median_s)  # type: ignore[operator]
+    d = with_collective.median_s - without.median_s  # type: ignore[operator]
+    return ("-" if d < 0 else "") + fmt_time(abs(d))

@@ -49,7 +49,7 @@ def test_suite_runs_the_question_in_two_processes(
     argv = ["--only", "distributed", "--quick", "--device", "cpu", "--no-progress", "--no-plots"]
     t0 = time.perf_counter()
     assert suite_main.main([*argv, "--out", str(tmp_path)]) == 0
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 30  # about 8 s on 2 busy cores
     recs = results_io.load(tmp_path)["records"]
     assert {(r.workload, r.method) for r in recs} == {
         (w.name, m) for w in TINY for m in bench_distributed.METHOD_NAMES

@@ -238,8 +238,12 @@ def _rank_main(
 
 
 # --------------------------------------------------------------------------- in the parent
-def _stop(procs: list[Any]) -> None:
-    """Kills the processes still running and reaps them (bounded)."""
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Waits up to ``grace_s`` for the processes to exit, kills those still running and reaps
+    them (bounded)."""
+    end = time.perf_counter() + grace_s
+    for p in procs:
+        p.join(timeout=max(end - time.perf_counter(), 0.0))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -369,7 +373,7 @@ def run(
                     if i < len(todo):
                         ctx.describe(f"{QUESTION}: {todo[i].label}")
     finally:
-        _stop(procs)
+        _stop(procs, 0.0 if error else 10.0)
         with contextlib.suppress(Exception):
             out.close()
     for w in todo[i:]:

@@ -83,15 +83,16 @@ def test_collective_methods_only_in_the_question() -> None:
 
 
 def test_ranks_that_miss_the_deadline_are_killed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A deadline shorter than the processes take to start: every record is an error that says
-    so, within seconds, and no rank is left running."""
-    monkeypatch.setattr(bench_distributed, "START_TIMEOUT_S", 0.2)
+    """Ranks that would time steps for a minute, and a deadline shorter than they take to
+    start: every record is an error that says so, within seconds, and no rank is left
+    running."""
+    minute = TimingConfig(warmup=1, min_rounds=10**6, max_wall_s=60.0)
+    # The parent's deadline: start + START_TIMEOUT_S + max_wall_s + WORKLOAD_SLACK_S = start.
+    monkeypatch.setattr(bench_distributed, "START_TIMEOUT_S", -60.0)
     monkeypatch.setattr(bench_distributed, "WORKLOAD_SLACK_S", 0.0)
     ctx = Context(device=CPU, timing=QUICK_TIMING, methods=[], quick=True, profile=False)
     t0 = time.perf_counter()
-    recs = bench_distributed.run(
-        ctx, sets=TINY, timing=TimingConfig(warmup=1, min_rounds=1, max_wall_s=0.0)
-    )
+    recs = bench_distributed.run(ctx, sets=TINY, timing=minute)
     assert time.perf_counter() - t0 < 15
     assert len(recs) == len(TINY) * len(bench_distributed.METHOD_NAMES)
     assert all(r.status == "error" and "timed out" in r.note for r in recs)

@@ -68,8 +68,13 @@ def test_suite_runs_the_question_in_two_processes(
         assert by["floor-allreduce"].gbps is None and by["ampfused-dist"].gbps > 0
     md = (tmp_path / "results.md").read_text()
     assert "## Distributed: a step with found_inf all-reduced" in md
+    header = next(line for line in md.splitlines() if line.startswith("| gradients "))
+    assert "| torch-dist / ampfused-dist " in header and "| collective adds" in header
     row = next(line for line in md.splitlines() if line.startswith("| 4 x 1K fp32 "))
-    assert row.count(" us ") + row.count(" ms ") >= len(bench_distributed.METHOD_NAMES)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 3 + len(bench_distributed.METHOD_NAMES) + 4
+    assert all(c.endswith(("us", "ms")) for c in cells[3:10])  # every method's median
+    assert all(c.endswith("x") for c in cells[10:13])  # the ratios
     assert "**torch-dist**" in md and "**floor-allreduce**" in md  # the method list
 
 

@@ -19,6 +19,7 @@ from benchmarks import (
     bench_clip,
     bench_counts,
     bench_diagnostics,
+    bench_distributed,
     bench_e2e,
     bench_masters,
     bench_models,
@@ -34,7 +35,17 @@ from benchmarks.suite import Context, Record
 from benchmarks.timing import FULL_TIMING, QUICK_TIMING, TIMING_MODES, batched
 from benchmarks.workloads import DTYPE_NAMES, MODELS
 
-QUESTIONS = ("step_cost", "diagnostics", "clip", "masters", "models", "counts", "sizes", "e2e")
+QUESTIONS = (
+    "step_cost",
+    "diagnostics",
+    "clip",
+    "masters",
+    "distributed",
+    "models",
+    "counts",
+    "sizes",
+    "e2e",
+)
 
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive Python
@@ -49,6 +60,10 @@ the same run.  Questions:
              clip_grad_norm_ (GPT-2 124M, 4 x 16M, 1000 x 1K), checked against the target
   masters    float16 parameters with float32 masters: MasterWeights + GradScaler vs the recipe
              by hand with torch's scaler (GPT-2 124M, 4 x 16M, 1000 x 1K, float16)
+  distributed  2 CPU processes (gloo, 1 thread each): a step with found_inf all-reduced over
+             the world group, torch's ShardedGradScaler vs ampfused.ShardedGradScaler and
+             ampfused.GradScaler(found_inf_group=WORLD), beside both scalers without the
+             collective, the all-reduce alone and the floor (4 x 4M, 300 x 16K, 1000 x 16)
   models     GPT-2 124M, Llama-style 1B (7B on GPU), ResNet-50, BERT-base, ViT-B/16 gradient
              sets x dtypes (fp32, fp16, bf16, mixed) x with/without an injected inf
   counts     1 to 10,000 tensors of 16 and 1024 elements
@@ -262,6 +277,8 @@ def plan_questions(run: Run) -> None:
         run.plan["clip"] = len(bench_clip.workloads(ctx))
     if "masters" in run.questions:
         run.plan["masters"] = len(bench_masters.workloads(ctx))
+    if "distributed" in run.questions:
+        run.plan["distributed"] = len(bench_distributed.workloads(ctx))
     if "models" in run.questions:
         infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
         run.plan["models"], notes = bench_models.configs(ctx, args.workloads, args.dtypes, infs)
@@ -295,6 +312,11 @@ def run_masters(run: Run) -> None:
     run.records += bench_masters.run(_target_ctx(run))
 
 
+def run_distributed(run: Run) -> None:
+    # Its own timing (lock-step rounds in two processes; bench_distributed.TIMING).
+    run.records += bench_distributed.run(run.ctx)
+
+
 def run_models(run: Run) -> None:
     run.records += bench_models.run(run.ctx, run.plan["models"])
 
@@ -323,6 +345,7 @@ QUESTION_STEPS = {
     "diagnostics": run_diagnostics,
     "clip": run_clip,
     "masters": run_masters,
+    "distributed": run_distributed,
     "models": run_models,
     "counts": run_counts,
     "sizes": run_sizes,
@@ -427,6 +450,8 @@ def print_console(run: Run) -> None:
                 print(bench_clip.table(recs))
             elif q == "masters":
                 print(bench_masters.table(recs))
+            elif q == "distributed":
+                print(bench_distributed.table(recs))
             else:
                 print(report.pivot(recs, run.gpu, "simple"))
     if run.e2e:

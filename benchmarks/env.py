@@ -121,7 +121,8 @@ def header(device: torch.device) -> dict[str, object]:
 
 class CpuShare:
     """Share of the machine's CPU time used by *other* processes (and the hypervisor, as steal)
-    between ``start()`` and ``stop()``, from /proc/stat and this process's own CPU time: the
+    between ``start()`` and ``stop()``, from /proc/stat and this process's own CPU time (with
+    that of its children that have ended, such as the distributed question's ranks): the
     measure of how far a CPU run was disturbed.  None where /proc/stat is missing."""
 
     def __init__(self) -> None:
@@ -139,7 +140,7 @@ class CpuShare:
         busy = (user + nice + system + irq + softirq + steal) / hz
         total = (user + nice + system + idle + iowait + irq + softirq + steal) / hz
         t = os.times()
-        return busy, total, t.user + t.system
+        return busy, total, t.user + t.system + t.children_user + t.children_system
 
     def start(self) -> CpuShare:
         self._t0 = self._sample()

@@ -7,6 +7,10 @@ gradient lists (not copies): a realloc workload refills them with new tensors at
 
 scaler kind: ``unscale_(opt); step(opt); update()`` with a no-op optimizer (the diagnostics
              methods add per-gradient statistics: in the pass, or by hand as users log norms).
+             The distributed methods (``*-dist``, ``ampfused-group``) are the same calls with a
+             found_inf all-reduce over the world group; they run inside the 2-process
+             ``distributed`` question (:mod:`benchmarks.bench_distributed`), which initializes
+             the process group.
 op kind:     the raw unscale + check + scale-update ops a hand-written scaler would call.
 floor kind:  the memory floor over the same bytes (an in-place multiply; a device copy on GPU).
 """
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import ampfused
 from benchmarks.env import amp_C, is_gpu, multi_tensor_applier
@@ -207,6 +212,35 @@ class MastersRunner(ScalerRunner):
         return gs.workload.unscale_bytes * (12 if self.fused else 20) // 4
 
 
+# --------------------------------------------------------------------------- distributed
+def _torch_sharded_cls() -> Callable[..., torch.amp.GradScaler]:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler
+
+
+def _ampfused_group_cls(gs: GradSet) -> Callable[..., torch.amp.GradScaler]:
+    # dist.group.WORLD is None until init_process_group(): read when the runner is made.
+    return functools.partial(_ampfused_cls(gs), found_inf_group=dist.group.WORLD)
+
+
+class AllReduceFloor(Runner):
+    """One ``dist.all_reduce`` (SUM) of a one-element float32 tensor over the world group: the
+    least a step that agrees on found_inf across ranks adds to the single-process step."""
+
+    def __init__(self, gs: GradSet) -> None:
+        self.flag = torch.zeros(1, dtype=torch.float32, device=gs.device)
+
+    def reset(self) -> None:
+        self.flag.zero_()
+
+    def run(self) -> None:
+        dist.all_reduce(self.flag)
+
+    def bytes_moved(self, gs: GradSet) -> int:
+        return 0
+
+
 # --------------------------------------------------------------------------- raw ops
 class TorchOpsRunner(Runner):
     """torch's ops as its scaler calls them, minus the Python walk over parameters: per-dtype
@@ -391,6 +425,27 @@ def _float16_only_na(w: Workload, d: torch.device) -> str | None:
     return None
 
 
+def _dist_na(w: Workload, d: torch.device) -> str | None:
+    if not dist.is_available() or not dist.is_initialized():
+        return (
+            "needs an initialized torch.distributed process group (the distributed question "
+            "runs it on 2 CPU processes)"
+        )
+    return None
+
+
+def _ampfused_dist_na(w: Workload, d: torch.device) -> str | None:
+    if not hasattr(ampfused, "ShardedGradScaler"):
+        return "this ampfused has no ShardedGradScaler"
+    return _dist_na(w, d)
+
+
+def _ampfused_group_na(w: Workload, d: torch.device) -> str | None:
+    if "found_inf_group" not in inspect.signature(ampfused.GradScaler).parameters:
+        return "this ampfused.GradScaler has no found_inf_group option"
+    return _ampfused_na(w, d) or _dist_na(w, d)
+
+
 def _ampfused_na(w: Workload, d: torch.device) -> str | None:
     if (
         w.has(torch.float16)
@@ -490,6 +545,37 @@ METHODS: dict[str, Method] = {
             default=False,
         ),
         Method(
+            "ampfused-dist",
+            "ampfused.ShardedGradScaler",
+            "scaler",
+            "ampfused.ShardedGradScaler (world group): unscale_ (one pass, found_inf all-reduced "
+            "with SUM) + step + update, no-op optimizer; 2 processes, gloo",
+            lambda gs: ScalerRunner(ampfused.ShardedGradScaler, gs),
+            _ampfused_dist_na,
+            default=False,
+        ),
+        Method(
+            "torch-dist",
+            "torch ShardedGradScaler",
+            "scaler",
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (world group): "
+            "unscale_ (found_inf all-reduced with SUM) + step + update, no-op optimizer; 2 "
+            "processes, gloo",
+            lambda gs: ScalerRunner(_torch_sharded_cls(), gs),
+            _dist_na,
+            default=False,
+        ),
+        Method(
+            "ampfused-group",
+            "ampfused.GradScaler, found_inf_group",
+            "scaler",
+            "ampfused.GradScaler(found_inf_group=dist.group.WORLD): unscale_ (one pass, found_inf "
+            "all-reduced with MAX) + step + update, no-op optimizer; 2 processes, gloo",
+            lambda gs: ScalerRunner(_ampfused_group_cls(gs), gs),
+            _ampfused_group_na,
+            default=False,
+        ),
+        Method(
             "ampfused-op",
             "ampfused.ops.unscale_update_scale_",
             "op",
@@ -535,6 +621,16 @@ METHODS: dict[str, Method] = {
             "memory floor of a master-weights step: float16 -> float32 copy and back, flat buffers",
             MastersFloor,
             _float16_only_na,
+            default=False,
+        ),
+        Method(
+            "floor-allreduce",
+            "floor: all_reduce of one flag",
+            "floor",
+            "the collective alone: dist.all_reduce of a one-element float32 tensor over the "
+            "world group (2 processes, gloo)",
+            AllReduceFloor,
+            _dist_na,
             default=False,
         ),
         Method(

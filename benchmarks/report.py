@@ -14,7 +14,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from benchmarks import bench_clip, bench_diagnostics, bench_masters  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bench_clip,
+    bench_diagnostics,
+    bench_distributed,
+    bench_masters,
+)
 from benchmarks.fmt import fmt_bytes, fmt_gbps, fmt_time, fmt_x  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.suite import Record  # noqa: E402
@@ -38,6 +43,7 @@ QUESTION_TITLES = {
     "diagnostics": "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
     "clip": "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_",
     "masters": "float16 model, float32 masters: MasterWeights vs the recipe by hand",
+    "distributed": "Distributed: a step with found_inf all-reduced across 2 CPU processes (gloo)",
     "models": "Model gradient sets",
     "counts": "Tensor-count sweep",
     "sizes": "Tensor-size sweep (8 tensors per size)",
@@ -486,6 +492,8 @@ def markdown(
             md.append(bench_clip.table(recs, "github") + "\n")
         elif q == "masters":
             md.append(bench_masters.table(recs, "github") + "\n")
+        elif q == "distributed":
+            md.append(bench_distributed.table(recs, "github") + "\n")
         else:
             md.append(pivot(recs, gpu, "github") + "\n")
     if e2e:

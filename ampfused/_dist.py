@@ -12,10 +12,13 @@ single-process user pays nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ampfused._torch_private import DTENSOR_LOCAL_ATTR, DTENSOR_SPEC_ATTR
 
 # (group, op): one all-reduce of the flag.  group None is torch's default (world) group.
 Reduction = tuple[Any, Any]
@@ -77,62 +80,39 @@ def reductions(groups: Sequence[Any], op_name: str) -> list[Reduction]:
     return [(g, op) for g in groups]
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
+def dtensor_unwrap() -> tuple | None:
+    """What the fused pass (``_C.fused_pass``/``_C.unscale_grads``'s ``unwrap``) needs to take
+    DTensor gradients as their local shards: (DTensor, the local shard's attribute, the spec's
+    attribute, a list the pass fills with each distinct (mesh, placements)); None when
+    torch.distributed.tensor was never imported, so no gradient can be a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
         return None
-    return DTensor
+    return (module.DTensor, DTENSOR_LOCAL_ATTR, DTENSOR_SPEC_ATTR, [])
 
 
-def local_shard_groups(groups: Sequence[Any]) -> tuple[list[dict], list[Reduction]] | None:
-    """Param groups for the fused pass in which every DTensor gradient is its local shard, and
-    the reductions that make found_inf agree over the DTensors' meshes; None if a gradient is
-    another tensor subclass (or a DTensor whose local shard is one): torch's path takes those.
+def mesh_plan(seen: Sequence[tuple[Any, tuple]]) -> list[Reduction]:
+    """The all-reduces (MAX) that make found_inf agree across the DTensor gradients' meshes,
+    from the distinct (mesh, placements) the pass met.
 
-    Each DTensor parameter is replaced by a plain tensor whose ``.grad`` is the gradient's local
-    shard (a view of the same memory, so the pass unscales the DTensor's own storage); every
-    other entry stays, so positions (and watch()'s statistics) are those of ``groups``.
-
-    found_inf is reduced with MAX over every mesh dimension on which ANY gradient's placement is
-    not Replicate (Shard or Partial): local shards there hold different values, so a rank may
-    see an inf the others do not.  torch's DTensor handler looks at the first gradient's
-    placements only, so with tensor parallelism (a Replicate gradient first, an inf in a Shard
-    one) its ranks can disagree.  A mesh reduced over all its dimensions that spans the world
-    takes one all-reduce over the world group; otherwise one per dimension, in dimension order.
+    found_inf is reduced over every mesh dimension on which ANY gradient's placement is not
+    Replicate (Shard or Partial): local shards there hold different values, so a rank may see
+    an inf the others do not.  torch's DTensor handler looks at the first gradient's placements
+    only, so with tensor parallelism (a Replicate gradient first, an inf in a Shard one) its
+    ranks can disagree.  A mesh reduced over all its dimensions that spans the world takes one
+    all-reduce over the world group; otherwise one per dimension, in dimension order.  Empty
+    when every gradient is replicated (each rank then holds the whole gradient).
     """
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return None
-    out: list[dict] = []
     meshes: list[tuple[Any, set[int]]] = []  # (mesh, dims to reduce), in first-seen order
-    with torch.no_grad():
-        for group in groups:
-            params = []
-            for p in group["params"]:
-                grad = p.grad
-                if grad is not None and type(grad) is not torch.Tensor:
-                    if not isinstance(grad, dtensor):
-                        return None
-                    local = grad.to_local()
-                    if type(local) is not torch.Tensor:
-                        return None
-                    proxy = local.detach()
-                    proxy.grad = local
-                    p = proxy
-                    mesh = grad.device_mesh
-                    for entry in meshes:
-                        if entry[0] is mesh or entry[0] == mesh:
-                            dims = entry[1]
-                            break
-                    else:
-                        dims = set()
-                        meshes.append((mesh, dims))
-                    for dim, placement in enumerate(grad.placements):
-                        if not placement.is_replicate():
-                            dims.add(dim)
-                params.append(p)
-            out.append({**group, "params": params})
+    for mesh, placements in seen:
+        for entry in meshes:
+            if entry[0] is mesh or entry[0] == mesh:
+                dims = entry[1]
+                break
+        else:
+            dims = set()
+            meshes.append((mesh, dims))
+        dims.update(d for d, placement in enumerate(placements) if not placement.is_replicate())
     dist = _dist()
     found: list[Reduction] = []
     for mesh, dims in meshes:
@@ -142,7 +122,7 @@ def local_shard_groups(groups: Sequence[Any]) -> tuple[list[dict], list[Reductio
             found.append((None, dist.ReduceOp.MAX))
         else:
             found += [(mesh.get_group(dim), dist.ReduceOp.MAX) for dim in sorted(dims)]
-    return out, found
+    return found
 
 
 def all_reduce_flags(flags: Sequence[torch.Tensor], plan: Sequence[Reduction]) -> None:

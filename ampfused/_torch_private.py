@@ -74,10 +74,21 @@ def compiled_region_active() -> bool:
     return callback is not None and callback is not False
 
 
+# The attributes of a DTensor holding its local shard and its spec (a DTensorSpec, whose
+# ``mesh`` and ``placements`` are public): what ``to_local()`` and ``device_mesh``/``placements``
+# return, read by the C++ walk (grad_gather.cpp) for every DTensor gradient of every step (FSDP2,
+# tensor parallel).  ``DTensor._local_tensor`` and ``DTensor._spec`` since torch 2.0 (then
+# torch.distributed._tensor).
+DTENSOR_LOCAL_ATTR = "_local_tensor"
+DTENSOR_SPEC_ATTR = "_spec"
+
+
 __all__ = [
     "OptState",
     "amp_update_scale_",
     "compiled_region_active",
+    "DTENSOR_LOCAL_ATTR",
+    "DTENSOR_SPEC_ATTR",
     "mark_not_traced",
     "supports_amp_scaling",
     "tensor_version",

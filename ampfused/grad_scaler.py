@@ -850,16 +850,11 @@ class GradScaler(torch.amp.GradScaler):
             return None
         groups = _read_param_groups(optimizer)
         dev = scale.device
-        result = self._run_pass(groups, check_only, allow_fp16, tables)
-        mesh_plan: list = []
-        if result is None:
-            # Tensor-subclass gradients: DTensors (FSDP2, tensor parallel) go through the pass
-            # as their local shards, with found_inf then reduced over their meshes.
-            local = _dist.local_shard_groups(groups)
-            if local is not None:
-                local_groups, mesh_plan = local
-                # (no statistics for clip: its norm would be this rank's shards' only)
-                result = self._run_pass(local_groups, check_only, allow_fp16, None)
+        # DTensor gradients (FSDP2, tensor parallel) go through the pass as their local shards,
+        # with found_inf then reduced over their meshes.
+        unwrap = _dist.dtensor_unwrap()
+        result = self._run_pass(groups, check_only, allow_fp16, tables, unwrap)
+        mesh_plan = _dist.mesh_plan(unwrap[3]) if unwrap is not None and unwrap[3] else []
         if result is None:
             # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
             # run it over the groups read above, with the inputs torch's methods give it.
@@ -888,15 +883,15 @@ class GradScaler(torch.amp.GradScaler):
             if stats is not None:
                 if self._watch is not None:
                     self._stats_now.append((stats, positions, groups))
-                if tables is not None and not mesh_plan:
+                if tables is not None and not mesh_plan:  # (sharded: the norm needs every rank)
                     tables.append((stats, positions, groups))
         return self._agree(found, mesh_plan, first_table)
 
     def _run_pass(
-        self, groups: Any, check_only: bool, allow_fp16: bool, tables: list | None
+        self, groups: Any, check_only: bool, allow_fp16: bool, tables: list | None, unwrap: Any
     ) -> list | None:
         """_C.fused_pass over the groups with the scaler's state (None: a gradient needs torch's
-        walk, and nothing was read)."""
+        walk, and nothing was read); DTensor gradients as their local shards with unwrap."""
         factors = _kernel_update_args(
             self._growth_factor, self._backoff_factor, self._growth_interval
         )
@@ -913,6 +908,7 @@ class GradScaler(torch.amp.GradScaler):
             pending is not None and bool(pending.found),
             allow_fp16,
             self._watch is not None or tables is not None,
+            unwrap,
         )
 
     def _agree(
@@ -1140,12 +1136,9 @@ class GradScaler(torch.amp.GradScaler):
     def _multiply_grads(self, groups: Any, factor: torch.Tensor) -> None:
         """Every gradient of the groups times factor, in place (multiply-or-pass)."""
         flag = torch.zeros((), dtype=torch.float32, device=factor.device)
-        if _C.unscale_grads(groups, factor, flag, True) is not None:
-            return
-        local = _dist.local_shard_groups(groups)  # DTensors: their shards, no collective
-        if local is not None and _C.unscale_grads(local[0], factor, flag, True) is not None:
-            return
-        torch.amp.GradScaler._unscale_grads_(self, _ParamGroups(groups), factor, flag, True)
+        # (DTensors: their local shards, with no collective)
+        if _C.unscale_grads(groups, factor, flag, True, _dist.dtensor_unwrap()) is None:
+            torch.amp.GradScaler._unscale_grads_(self, _ParamGroups(groups), factor, flag, True)
 
     def _unit_pass(self, optimizer: torch.optim.Optimizer, tables: list) -> dict | None:
         """A read-only pass with statistics over gradients already unscaled (scale 1, the

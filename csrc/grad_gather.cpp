@@ -6,8 +6,10 @@
 // gathered lists to the ops without creating any per-parameter Python object.  Only gathers:
 // the ops are called in python_module.cpp.
 // Gradients that are tensor subclasses (DTensor, ...) make it return None: the caller then
-// takes torch's Python path, which dispatches through the subclass.  param_groups and each
-// group's 'params' may be any iterable, as in torch's Python loop; a generator is read once.
+// takes torch's Python path, which dispatches through the subclass.  DTensor gradients are
+// gathered as their local shards instead when the caller asks (it then agrees on found_inf
+// across the meshes itself).  param_groups and each group's 'params' may be any iterable, as in
+// torch's Python loop; a generator is read once.
 #include "grad_gather.h"
 
 #include <ATen/ATen.h>
@@ -73,6 +75,53 @@ void restore_one_shot(py::handle param_groups, py::handle groups_seq,
   }
 }
 
+// collect()'s `unwrap` (grad_gather.h): DTensor gradients as their local shards.
+class Unwrap {
+ public:
+  explicit Unwrap(py::handle spec) {
+    if (spec.is_none()) return;
+    const py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
+    TORCH_CHECK(t.size() == 4,
+                "collect: unwrap must be (type, local attribute, spec attribute, "
+                "list)");
+    type_ = t[0];
+    local_attr_ = t[1];
+    spec_attr_ = t[2];
+    specs_ = t[3];
+  }
+  bool on() const { return type_.ptr() != nullptr; }
+
+  // The local shard of `grad` if it is of the unwrapped type and its shard is a plain tensor;
+  // an undefined tensor otherwise (torch's path takes it).  Records its (mesh, placements).
+  at::Tensor local_of(const at::Tensor& grad) {
+    const py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(grad));
+    const int is = PyObject_IsInstance(obj.ptr(), type_.ptr());
+    if (is < 0) throw py::error_already_set();
+    if (is == 0) return {};
+    const py::object local = obj.attr(local_attr_);
+    if (!THPVariable_Check(local.ptr())) return {};
+    const at::Tensor& t = THPVariable_Unpack(local.ptr());
+    if (t.unsafeGetTensorImpl()->is_python_dispatch()) return {};
+    const py::object spec = obj.attr(spec_attr_);
+    const py::object mesh = spec.attr("mesh");
+    const py::object placements = spec.attr("placements");
+    for (const auto& [m, p] : seen_) {
+      if (m == mesh.ptr() &&
+          (p == placements.ptr() || PyObject_RichCompareBool(p, placements.ptr(), Py_EQ) == 1)) {
+        return t;
+      }
+    }
+    if (PyErr_Occurred()) throw py::error_already_set();
+    py::list(specs_).append(py::make_tuple(mesh, placements));  // (keeps both alive)
+    seen_.emplace_back(mesh.ptr(), placements.ptr());
+    return t;
+  }
+
+ private:
+  py::object type_, local_attr_, spec_attr_, specs_;
+  std::vector<std::pair<PyObject*, PyObject*>> seen_;  // borrowed: the list holds them
+};
+
 }  // namespace
 
 // The gradients of param_groups, grouped by device, plus the Python objects that keep them
@@ -85,8 +134,9 @@ void restore_one_shot(py::handle param_groups, py::handle groups_seq,
 // after the whole walk (NotImplementedError, which torch's op raises once the loop is done, so
 // a float16 grad anywhere wins).  Either way nothing was unscaled.
 std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool allow_fp16,
-                                                std::vector<py::object>& keep_alive,
-                                                bool positions) {
+                                                std::vector<py::object>& keep_alive, bool positions,
+                                                py::handle unwrap) {
+  Unwrap dtensors(unwrap);
   std::vector<DeviceGrads> out;
   keep_alive.push_back(as_sequence(param_groups, -1));
   PyObject* groups_seq = keep_alive.back().ptr();
@@ -113,7 +163,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
                                         std::string(Py_TYPE(obj)->tp_name) + " at " + where(gi, i));
       }
       const at::Tensor& param = THPVariable_Unpack(obj);
-      const at::Tensor& grad = param.grad();
+      at::Tensor grad = param.grad();
       if (!grad.defined()) continue;
       const auto dtype = grad.scalar_type();
       if (dtype == at::kHalf && !allow_fp16) {
@@ -144,8 +194,13 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
         continue;
       }
       if (grad.unsafeGetTensorImpl()->is_python_dispatch()) {
-        skip_rest = fallback = true;
-        continue;
+        // (the dtype and layout checked above are the local shard's: a DTensor reports them)
+        at::Tensor local = dtensors.on() ? dtensors.local_of(grad) : at::Tensor();
+        if (!local.defined()) {
+          skip_rest = fallback = true;
+          continue;
+        }
+        grad = std::move(local);
       }
       at::Tensor values;  // defined for sparse grads only
       if (layout == at::kSparse) {
@@ -174,8 +229,10 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       }
       if (values.defined()) {
         slot->own(std::move(values));
-      } else {
+      } else if (grad.is_same(param.grad())) {
         slot->borrow(grad);
+      } else {
+        slot->own(std::move(grad));  // a local shard: held here for the pass
       }
       if (positions) slot->positions.push_back(position);
     }

@@ -60,9 +60,14 @@ struct DeviceGrads : GradList {
 // (a tensor subclass, or a device without ampfused kernels).  Errors as torch's _unscale_grads_
 // raises them (grad_gather.cpp).
 // With `positions`, each DeviceGrads also lists its gradients' parameter positions.
+// `unwrap` (None, or ampfused._dist.dtensor_unwrap()'s tuple (DTensor, name of its local-shard
+// attribute, name of its spec attribute, a list)): gradients of that type are gathered as their
+// local shards, and each distinct (spec.mesh, spec.placements) is appended to the list, as a
+// tuple, in the order first met.
 std::optional<std::vector<DeviceGrads>> collect(pybind11::handle param_groups, bool allow_fp16,
                                                 std::vector<pybind11::object>& keep_alive,
-                                                bool positions = false);
+                                                bool positions = false,
+                                                pybind11::handle unwrap = pybind11::none());
 
 // Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
 // borrowed grads become owned references first.  Short passes and CUDA launches keep it.

@@ -36,11 +36,13 @@ bool async_to(const at::Device& device) { return !device.is_cpu(); }
 // The gradients of param_groups, gathered per device, each device's gathered grads handed to
 // pass(DeviceGrads), which returns that device's result; long CPU passes run without the GIL.
 // std::nullopt when some gradient needs torch's Python path (grad_gather.h).
+// `unwrap`: DTensor gradients as their local shards (collect() in grad_gather.h).
 template <typename Pass>
-auto per_device(py::handle param_groups, bool allow_fp16, Pass pass, bool positions = false)
+auto per_device(py::handle param_groups, bool allow_fp16, Pass pass, bool positions = false,
+                py::handle unwrap = py::none())
     -> std::optional<std::vector<decltype(pass(std::declval<const DeviceGrads&>()))>> {
   std::vector<py::object> keep_alive;  // lists read from iterators: they own the params
-  auto groups = collect(param_groups, allow_fp16, keep_alive, positions);
+  auto groups = collect(param_groups, allow_fp16, keep_alive, positions, unwrap);
   if (!groups) return std::nullopt;
   const auto no_gil = release_gil_if_long(*groups);
   const at::NoGradGuard no_grad;
@@ -58,13 +60,11 @@ using ScalerFound =
 // overwritten, next_state computed).  On another device the plain ops run, or with statistics
 // the scaler pass on a copy of the state (its next_state is dropped: with gradients on several
 // devices GradScaler.update() recomputes the update from every found_inf).
-std::optional<std::vector<ScalerFound>> fused_pass(py::handle param_groups, const at::Tensor& state,
-                                                   const at::Tensor& next_state,
-                                                   double growth_factor, double backoff_factor,
-                                                   int64_t growth_interval, double min_scale,
-                                                   double max_scale, int64_t hysteresis,
-                                                   bool check_only, bool accumulate,
-                                                   bool allow_fp16, bool with_stats) {
+std::optional<std::vector<ScalerFound>> fused_pass(
+    py::handle param_groups, const at::Tensor& state, const at::Tensor& next_state,
+    double growth_factor, double backoff_factor, int64_t growth_interval, double min_scale,
+    double max_scale, int64_t hysteresis, bool check_only, bool accumulate, bool allow_fp16,
+    bool with_stats, py::handle unwrap) {
   at::Tensor inv_scale;  // for other devices, made on first need
   return per_device(
       param_groups, allow_fp16,
@@ -111,25 +111,31 @@ std::optional<std::vector<ScalerFound>> fused_pass(py::handle param_groups, cons
         }
         return {device, f, stats, positions};
       },
-      /*positions=*/with_stats);
+      /*positions=*/with_stats, unwrap);
 }
 
 // GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): torch's contract
 // (found_inf is OR-ed into; copies of inv_scale/found_inf serve other devices).
+// With `unwrap`, DTensor gradients are unscaled as their local shards, found_inf not reduced.
 std::optional<Found> unscale_grads(py::handle param_groups, const at::Tensor& inv_scale,
-                                   const at::Tensor& found_inf, bool allow_fp16) {
-  return per_device(param_groups, allow_fp16, [&](const DeviceGrads& g) -> Found::value_type {
-    const at::Device& device = g.device;
-    at::TensorList grads = g.grads;
-    // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so the
-    // caller's tensor is only an initial value.
-    at::Tensor f = found_inf.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
-    at::Tensor inv = device == inv_scale.device()
-                         ? inv_scale
-                         : inv_scale.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
-    ops::non_finite_check_and_unscale_::call(grads, f, inv);
-    return {device, f};
-  });
+                                   const at::Tensor& found_inf, bool allow_fp16,
+                                   py::handle unwrap) {
+  return per_device(
+      param_groups, allow_fp16,
+      [&](const DeviceGrads& g) -> Found::value_type {
+        const at::Device& device = g.device;
+        at::TensorList grads = g.grads;
+        // torch's _MultiDeviceReplicator copies found_inf for every device, its own included, so
+        // the caller's tensor is only an initial value.
+        at::Tensor f = found_inf.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
+        at::Tensor inv =
+            device == inv_scale.device()
+                ? inv_scale
+                : inv_scale.to(device, /*non_blocking=*/async_to(device), /*copy=*/true);
+        ops::non_finite_check_and_unscale_::call(grads, f, inv);
+        return {device, f};
+      },
+      /*positions=*/false, unwrap);
 }
 
 // Test hook: the shared per-element code (unscale_math.h) called the way the CUDA kernel calls
@@ -276,9 +282,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("next_state"), py::arg("growth_factor"), py::arg("backoff_factor"),
         py::arg("growth_interval"), py::arg("min_scale"), py::arg("max_scale"),
         py::arg("hysteresis"), py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"),
-        py::arg("with_stats"));
+        py::arg("with_stats"), py::arg("unwrap") = py::none());
   m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
-        py::arg("found_inf"), py::arg("allow_fp16"));
+        py::arg("found_inf"), py::arg("allow_fp16"), py::arg("unwrap") = py::none());
   m.def("reduce_grad_stats", &ampfused::reduce_grad_stats, py::arg("item_rows"), py::arg("numels"));
   m.def(
       "reduce_grad_stats",

@@ -50,6 +50,8 @@ METHOD_NAMES = (
     "ampfused-dist",
     "torch-dist",
     "ampfused-group",
+    "ampfused-fsdp2",
+    "torch-fsdp2",
     "ampfused",
     "torch",
     "floor-allreduce",
@@ -389,14 +391,24 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
     to each scaler's step (the median with it minus the median without)."""
     rows = []
     for cells, by, ok in by_workload(records):
-        a_dist, t_dist, a, t, floor = (
-            ok.get(m) for m in ("ampfused-dist", "torch-dist", "ampfused", "torch", "floor-mul")
+        a_dist, t_dist, a2, t2, a, t, floor = (
+            ok.get(m)
+            for m in (
+                "ampfused-dist",
+                "torch-dist",
+                "ampfused-fsdp2",
+                "torch-fsdp2",
+                "ampfused",
+                "torch",
+                "floor-mul",
+            )
         )
         rows.append(
             [
                 *cells,
                 *(fmt_cell(by.get(m)) for m in METHOD_NAMES),
                 fmt_ratio(t_dist, a_dist),
+                fmt_ratio(t2, a2),
                 fmt_ratio(t, a),
                 fmt_ratio(a_dist, floor),
                 f"{_added(a_dist, a)} / {_added(t_dist, t)}",
@@ -408,6 +420,7 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
         "MB",
         *METHOD_NAMES,
         "torch-dist / ampfused-dist",
+        "torch-fsdp2 / ampfused-fsdp2",
         "torch / ampfused",
         "ampfused-dist / floor",
         "collective adds: ampfused / torch",

@@ -224,6 +224,31 @@ def _ampfused_group_cls(gs: GradSet) -> Callable[..., torch.amp.GradScaler]:
     return functools.partial(_ampfused_cls(gs), found_inf_group=dist.group.WORLD)
 
 
+class DTensorScalerRunner(ScalerRunner):
+    """A scaler over DTensor gradients, as FSDP2 (``fully_shard``) hands them over: each of the
+    GradSet's gradients is this rank's local shard (``Shard(0)`` on a 1-D mesh of the world) of
+    a DTensor gradient of a DTensor parameter.  The shards are the GradSet's tensors themselves,
+    so its restore refills them."""
+
+    def __init__(self, cls: Callable[..., torch.amp.GradScaler], gs: GradSet) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh(gs.device.type, (dist.get_world_size(),))
+        params = []
+        with torch.no_grad():
+            for p in gs.params:
+                shard = [Shard(0)]
+                dp = torch.nn.Parameter(
+                    DTensor.from_local(p.detach(), mesh, shard, run_check=False)
+                )
+                dp.grad = DTensor.from_local(p.grad, mesh, shard, run_check=False)
+                params.append(dp)
+        self.params = params
+        super().__init__(cls, gs)
+        self.optimizer = NoOpOptimizer(params)
+
+
 class AllReduceFloor(Runner):
     """One ``dist.all_reduce`` (SUM) of a one-element float32 tensor over the world group: the
     least a step that agrees on found_inf across ranks adds to the single-process step."""
@@ -621,6 +646,28 @@ METHODS: dict[str, Method] = {
             "memory floor of a master-weights step: float16 -> float32 copy and back, flat buffers",
             MastersFloor,
             _float16_only_na,
+            default=False,
+        ),
+        Method(
+            "ampfused-fsdp2",
+            "ampfused.GradScaler, DTensor grads",
+            "scaler",
+            "ampfused.GradScaler over DTensor gradients (Shard(0) on a 1-D mesh, as FSDP2's): "
+            "unscale_ (one pass over the local shards, found_inf all-reduced with MAX) + step + "
+            "update, no-op optimizer; 2 processes, gloo",
+            lambda gs: DTensorScalerRunner(_ampfused_cls(gs), gs),
+            _ampfused_group_na,
+            default=False,
+        ),
+        Method(
+            "torch-fsdp2",
+            "torch GradScaler, DTensor grads",
+            "scaler",
+            "torch.amp.GradScaler over the same DTensor gradients: unscale_ (foreach "
+            "check-and-unscale per dtype through DTensor dispatch, found_inf all-reduced with MAX) "
+            "+ step + update, no-op optimizer; 2 processes, gloo",
+            lambda gs: DTensorScalerRunner(_torch_cls(gs), gs),
+            _dist_na,
             default=False,
         ),
         Method(

@@ -34,7 +34,14 @@ TINY = (
 ROUNDS = 3
 # Exactly ROUNDS rounds: both ranks stop together because rank 0 decides for both.
 FIXED = TimingConfig(warmup=1, min_rounds=ROUNDS, enough_rounds=ROUNDS, max_wall_s=5.0)
-COLLECTIVE = ("ampfused-dist", "torch-dist", "ampfused-group", "floor-allreduce")
+COLLECTIVE = (
+    "ampfused-dist",
+    "torch-dist",
+    "ampfused-group",
+    "ampfused-fsdp2",
+    "torch-fsdp2",
+    "floor-allreduce",
+)
 
 
 def test_suite_runs_the_question_in_two_processes(
@@ -65,6 +72,7 @@ def test_suite_runs_the_question_in_two_processes(
         assert by["ampfused-dist"].ops > by["ampfused"].ops
         assert by["ampfused-group"].ops > by["ampfused"].ops
         assert by["torch-dist"].ops > by["torch"].ops
+        assert by["ampfused-fsdp2"].ops > by["ampfused"].ops  # the all-reduce over the mesh
         assert by["floor-allreduce"].gbps is None and by["ampfused-dist"].gbps > 0
     md = (tmp_path / "results.md").read_text()
     assert "## Distributed: a step with found_inf all-reduced" in md
@@ -72,9 +80,10 @@ def test_suite_runs_the_question_in_two_processes(
     assert "| torch-dist / ampfused-dist " in header and "| collective adds" in header
     row = next(line for line in md.splitlines() if line.startswith("| 4 x 1K fp32 "))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 3 + len(bench_distributed.METHOD_NAMES) + 4
-    assert all(c.endswith(("us", "ms")) for c in cells[3:10])  # every method's median
-    assert all(c.endswith("x") for c in cells[10:13])  # the ratios
+    n = len(bench_distributed.METHOD_NAMES)
+    assert len(cells) == 3 + n + 5
+    assert all(c.endswith(("us", "ms")) for c in cells[3 : 3 + n])  # every method's median
+    assert all(c.endswith("x") for c in cells[3 + n : 3 + n + 4])  # the ratios
     assert "**torch-dist**" in md and "**floor-allreduce**" in md  # the method list
 
 

@@ -103,8 +103,8 @@ class Unwrap {
     const at::Tensor& t = THPVariable_Unpack(local.ptr());
     if (t.unsafeGetTensorImpl()->is_python_dispatch()) return {};
     const py::object spec = obj.attr(spec_attr_);
-    const py::object mesh = spec.attr("mesh");
-    const py::object placements = spec.attr("placements");
+    const py::object mesh = spec.attr(mesh_attr_);
+    const py::object placements = spec.attr(placements_attr_);
     for (const auto& [m, p] : seen_) {
       if (m == mesh.ptr() &&
           (p == placements.ptr() || PyObject_RichCompareBool(p, placements.ptr(), Py_EQ) == 1)) {
@@ -119,6 +119,7 @@ class Unwrap {
 
  private:
   py::object type_, local_attr_, spec_attr_, specs_;
+  const py::str mesh_attr_{"mesh"}, placements_attr_{"placements"};
   std::vector<std::pair<PyObject*, PyObject*>> seen_;  // borrowed: the list holds them
 };
 

@@ -492,3 +492,128 @@ def fused_step_reads_nothing(rank: int, world: int, device: str, engine: str) ->
             flag = scaler.step_skipped_tensor()
         skipped.append(bool(flag))
     return skipped
+
+
+# ---------------------------------------------------------------------------------- review
+class _CountAllReduce:
+    """While active, dist.all_reduce is counted and NOT run (returns at once): a scenario whose
+    ranks would run different collectives reports the counts instead of hanging."""
+
+    def __enter__(self) -> list[str]:
+        self.saved = dist.all_reduce
+        self.calls: list[str] = []
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            name = "world" if group is None else str(dist.get_process_group_ranks(group))
+            self.calls.append(name)
+            return _DoneWork() if kwargs.get("async_op") else None
+
+        dist.all_reduce = counted
+        return self.calls
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self.saved
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+def dtensor_rank_without_gradients(rank: int, world: int, device: str) -> list[str]:
+    """DTensor parameters on a 1-D mesh, found_inf_group=WORLD (as for pipeline stages):
+    rank 1's gradients are all None this iteration, rank 0's are DTensors.  The all-reduces
+    each rank's unscale_ runs (counted, not run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    local = torch.ones(2, 4, device=device)
+    p = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+    optimizer = make_opt("sgd", [p])
+    sc = ampfused.GradScaler(
+        torch.device(device).type, init_scale=INIT_SCALE, found_inf_group=dist.group.WORLD
+    )
+    sc.scale(torch.ones((), device=device))
+    if rank == 0:
+        local = torch.ones(2, 4, device=device)
+        p.grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    with _CountAllReduce() as calls:
+        sc.unscale_(optimizer)
+    return calls
+
+
+class _HookedSharded(ampfused.ShardedGradScaler):
+    """A subclass hooking _unscale_grads_: torch's ShardedGradScaler.unscale_ runs."""
+
+    def _unscale_grads_(self, *args: Any) -> Any:
+        return super()._unscale_grads_(*args)
+
+
+def sharded_torch_path_rank_without_gradients(rank: int, world: int, device: str) -> list[str]:
+    """ShardedGradScaler on torch's unscale_ path (a subclass hooking _unscale_grads_): rank 1
+    has no gradient.  The all-reduces each rank's unscale_ runs (counted, not run)."""
+    p = nn.Parameter(torch.ones(4, device=device))
+    optimizer = make_opt("sgd", [p])
+    sc = _HookedSharded(torch.device(device).type, init_scale=INIT_SCALE)
+    sc.scale(torch.ones((), device=device))
+    if rank == 0:
+        p.grad = torch.ones(4, device=device)
+    with _CountAllReduce() as calls:
+        sc.unscale_(optimizer)
+    return calls
+
+
+def watch_two_optimizers(rank: int, world: int, device: str) -> dict:
+    """watch() with found_inf_group: optimizer A (plain, watched) finds inf on every rank, then
+    a MasterWeights optimizer B (no statistics) is clean.  A's step was skipped."""
+    import warnings
+
+    a = nn.Parameter(torch.ones(4, device=device))
+    b = nn.Parameter(torch.ones(4, device=device, dtype=torch.float16))
+    opt_a = make_opt("sgd", [a])
+    opt_b = ampfused.MasterWeights(make_opt("sgd", [b]))
+    sc = make_scaler("ampfused-group", device).watch([("a", a), ("b", b)])
+    sc.scale(torch.ones((), device=device))
+    a.grad = torch.tensor([1.0, INF, 1.0, 1.0], device=device)
+    b.grad = torch.ones(4, device=device, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (B is not covered by the statistics: it says so)
+        sc.step(opt_a)
+        sc.step(opt_b)
+    report = sc.report()
+    out = {"skipped": report.skipped, "offenders": [g.name for g in report.offenders]}
+    sc.update()
+    out["skipped_steps"] = sc.counters()["skipped_steps"]
+    return out
+
+
+def sharded_found_inf_shapes(rank: int, world: int, device: str) -> dict:
+    """The found_inf tensors users can see, from ampfused's ShardedGradScaler and torch's: after
+    unscale_, after clip_grad_norm_ (torch's: unscale_ + clip), and step_skipped_tensor."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    dt = torch.device(device).type
+    out = {}
+    for name, cls in (("ampfused", ampfused.ShardedGradScaler), ("torch", ShardedGradScaler)):
+        p = nn.Parameter(torch.ones(4, device=device))
+        optimizer = make_opt("sgd", [p])
+        sc = cls(dt, init_scale=INIT_SCALE)
+        for how in ("unscale_", "clip"):
+            sc.scale(torch.ones((), device=device))
+            p.grad = torch.ones(4, device=device)
+            if how == "clip" and name == "ampfused":
+                sc.clip_grad_norm_(optimizer, 1.0)
+            else:
+                sc.unscale_(optimizer)
+                if how == "clip":
+                    torch.nn.utils.clip_grad_norm_([p], 1.0)
+            out[f"{name} {how}"] = [shape for shape, _ in found_infs(sc, optimizer)]
+            sc.step(optimizer)
+            if name == "ampfused":
+                out[f"{name} step_skipped_tensor after {how}"] = tuple(
+                    sc.step_skipped_tensor().shape
+                )
+            sc.update()
+    return out

@@ -1,0 +1,87 @@
+"""Review of the distributed agreement (issue 11): cases the first suite does not reach.
+
+Scenarios in tests/_dist_scenarios.py (the "review" section), on 2 gloo ranks.  Where ranks
+would run different collectives, the scenarios count dist.all_reduce calls instead of running
+them, so a mismatch is reported, not waited on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+from _dist_pool import RankPool
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+WORLD = 2
+
+
+_POOL: list[RankPool] = []
+
+
+@pytest.fixture(scope="module")
+def _close_pool() -> Iterator[None]:
+    yield
+    while _POOL:
+        _POOL.pop().close()
+
+
+@pytest.fixture
+def pool(_close_pool: None) -> RankPool:
+    """2 gloo ranks, started once per module (again after a failed scenario)."""
+    if not _POOL or _POOL[-1].broken:
+        _POOL.append(RankPool(WORLD, "gloo"))
+    return _POOL[-1]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the DTensor mesh reduction is planned from the gradients a rank holds: a rank whose "
+    "gradients are all None runs only found_inf_group's all-reduce, the others the mesh's too",
+)
+def test_rank_without_gradients_joins_the_dtensor_mesh_reduction(pool: RankPool) -> None:
+    calls = pool.run("dtensor_rank_without_gradients")
+    assert len(calls[0]) == len(calls[1]), calls
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_agree skips the process_group reductions torch's ShardedGradScaler.unscale_ is "
+    "assumed to have run, but on a rank without gradients torch's ran none",
+)
+def test_sharded_scaler_on_torchs_path_rank_without_gradients_joins(pool: RankPool) -> None:
+    """torch's ShardedGradScaler.unscale_ all-reduces only the flags it has: none on a rank
+    without gradients; ampfused's must run the SUM there itself."""
+    calls = pool.run("sharded_torch_path_rank_without_gradients")
+    assert calls[0] == calls[1] == ["world"], calls
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the MasterWeights (and torch-walk) branches of _fused_found_inf call _agree with "
+    "first_table=0: every earlier table's verdict is overwritten with this optimizer's",
+)
+def test_watch_verdict_is_not_cleared_by_a_later_optimizer(pool: RankPool) -> None:
+    """A later optimizer's agreement (MasterWeights: no statistics of its own) must not
+    overwrite the verdict in an earlier optimizer's statistics."""
+    for r in pool.run("watch_two_optimizers"):
+        assert r["skipped_steps"] == 1
+        assert r["offenders"] == ["a"]
+        assert r["skipped"] is True
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="clip_grad_norm_ stores ()-shaped found_inf on a ShardedGradScaler, and "
+    "step_skipped_tensor returns the (1,) shape of the flags it sums",
+)
+def test_sharded_found_inf_shapes_match_torchs(pool: RankPool) -> None:
+    """(1,)-shaped found_inf after unscale_ and after clipping, as torch's ShardedGradScaler's;
+    step_skipped_tensor stays 0-dim as documented."""
+    for r in pool.run("sharded_found_inf_shapes"):
+        assert r["ampfused unscale_"] == r["torch unscale_"] == [(1,)]
+        assert r["ampfused clip"] == r["torch clip"]
+        assert r["ampfused step_skipped_tensor after unscale_"] == ()
+        assert r["ampfused step_skipped_tensor after clip"] == ()

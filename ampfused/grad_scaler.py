@@ -838,7 +838,8 @@ class GradScaler(torch.amp.GradScaler):
                 inv = torch.ones((), dtype=torch.float32, device=scale.device)
             else:
                 inv = self._inv_scale()
-            return self._agree(optimizer._grads_to_masters(inv), (), 0)
+            # (this pass records no statistics: the tables of earlier passes keep their verdict)
+            return self._agree(optimizer._grads_to_masters(inv), (), len(self._stats_now))
         if type(self)._unscale_grads_ is not GradScaler._unscale_grads_:
             # A subclass hooks the unscale (e.g. to all-reduce found_inf, as sharded scalers
             # do): torch's unscale_/_check_inf_per_device call it, so take that path.
@@ -868,7 +869,7 @@ class GradScaler(torch.amp.GradScaler):
             found = torch.amp.GradScaler._unscale_grads_(
                 self, _ParamGroups(groups), inv_scale, found_inf, allow_fp16
             )
-            return self._agree(found, (), 0)
+            return self._agree(found, (), len(self._stats_now))
         pending = self._pending
         if pending is None:
             pending = self._pending = _Pending(

@@ -58,11 +58,6 @@ def test_sharded_scaler_on_torchs_path_rank_without_gradients_joins(pool: RankPo
     assert calls[0] == calls[1] == ["world"], calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the MasterWeights (and torch-walk) branches of _fused_found_inf call _agree with "
-    "first_table=0: every earlier table's verdict is overwritten with this optimizer's",
-)
 def test_watch_verdict_is_not_cleared_by_a_later_optimizer(pool: RankPool) -> None:
     """A later optimizer's agreement (MasterWeights: no statistics of its own) must not
     overwrite the verdict in an earlier optimizer's statistics."""

@@ -926,6 +926,8 @@ class GradScaler(torch.amp.GradScaler):
         update, computed from this rank's flags, is dropped (update() computes it from the
         agreed ones), and the verdict in this pass's statistics tables becomes the agreed one.
         plan_done: how many of found_inf_group's reductions torch's own method already ran."""
+        if not found:
+            plan_done = 0  # torch's method had no flag to reduce: it ran none of the plan
         plan = [*mesh_plan, *self._found_inf_plan[plan_done:]]
         if not plan:
             return found

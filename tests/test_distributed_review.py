@@ -46,11 +46,6 @@ def test_rank_without_gradients_joins_the_dtensor_mesh_reduction(pool: RankPool)
     assert len(calls[0]) == len(calls[1]), calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_agree skips the process_group reductions torch's ShardedGradScaler.unscale_ is "
-    "assumed to have run, but on a rank without gradients torch's ran none",
-)
 def test_sharded_scaler_on_torchs_path_rank_without_gradients_joins(pool: RankPool) -> None:
     """torch's ShardedGradScaler.unscale_ all-reduces only the flags it has: none on a rank
     without gradients; ampfused's must run the SUM there itself."""

@@ -1102,6 +1102,9 @@ class GradScaler(torch.amp.GradScaler):
                 tables=tables,
             )
         if found is not None and not unscaled:
+            shape = self._unscale_found_shape  # (as unscale_ leaves them)
+            if shape:
+                found = {d: f.reshape(shape) for d, f in found.items()}
             optimizer_state["found_inf_per_device"] = found
             optimizer_state["stage"] = _UNSCALED
         dev = self._scale.device  # type: ignore[union-attr]
@@ -1624,7 +1627,9 @@ class GradScaler(torch.amp.GradScaler):
         ]
         dev = self._scale.device
         if flags:
-            return sum(f.to(dev, non_blocking=True) for f in flags) > 0  # type: ignore[operator]
+            # (0-dim whatever the flags' shape: ShardedGradScaler's are (1,))
+            skipped = sum(f.to(dev, non_blocking=True) for f in flags) > 0  # type: ignore[operator]
+            return skipped.reshape(())
         assert self._state is not None
         return self._state[_CONSECUTIVE_SKIPS] > 0
 

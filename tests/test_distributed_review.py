@@ -62,11 +62,6 @@ def test_watch_verdict_is_not_cleared_by_a_later_optimizer(pool: RankPool) -> No
         assert r["skipped"] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="clip_grad_norm_ stores ()-shaped found_inf on a ShardedGradScaler, and "
-    "step_skipped_tensor returns the (1,) shape of the flags it sums",
-)
 def test_sharded_found_inf_shapes_match_torchs(pool: RankPool) -> None:
     """(1,)-shaped found_inf after unscale_ and after clipping, as torch's ShardedGradScaler's;
     step_skipped_tensor stays 0-dim as documented."""

@@ -125,6 +125,24 @@ def mesh_plan(seen: Sequence[tuple[Any, tuple]]) -> list[Reduction]:
     return found
 
 
+def param_meshes(groups: Sequence[Any]) -> list[tuple[Any, tuple]]:
+    """(mesh, placements) of each DTensor parameter of the groups, for :func:`mesh_plan` on a
+    rank that holds no gradient: it must join the mesh all-reduces that the ranks whose
+    gradients are DTensors run (FSDP2 and tensor-parallel gradients take their parameters'
+    meshes and, but for Partial, their placements).  Empty when torch.distributed.tensor was
+    never imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return []
+    dtensor = module.DTensor
+    return [
+        (p.device_mesh, p.placements)
+        for group in groups
+        for p in group["params"]
+        if isinstance(p, dtensor)
+    ]
+
+
 def all_reduce_flags(flags: Sequence[torch.Tensor], plan: Sequence[Reduction]) -> None:
     """Each flag all-reduced, in place, by each (group, op) of the plan, in order (every rank runs
     the same plan).  A CPU flag over an NCCL group (gradients offloaded to the CPU) is reduced

@@ -856,6 +856,10 @@ class GradScaler(torch.amp.GradScaler):
         unwrap = _dist.dtensor_unwrap()
         result = self._run_pass(groups, check_only, allow_fp16, tables, unwrap)
         mesh_plan = _dist.mesh_plan(unwrap[3]) if unwrap is not None and unwrap[3] else []
+        if result is not None and not result:
+            # No gradient on this rank: it joins the all-reduces over its DTensor parameters'
+            # meshes that the ranks with gradients run (checked only here: no cost per step).
+            mesh_plan = _dist.mesh_plan(_dist.param_meshes(groups))
         if result is None:
             # A gradient needs torch's walk (a tensor subclass, a device without our kernels):
             # run it over the groups read above, with the inputs torch's methods give it.

@@ -617,3 +617,27 @@ def sharded_found_inf_shapes(rank: int, world: int, device: str) -> dict:
                 )
             sc.update()
     return out
+
+
+def sharded_unscale_then_fused_step(rank: int, world: int, device: str) -> dict:
+    """ShardedGradScaler, unscale_ (as before clipping), then Adam(fused=True), inf on rank 1 at
+    INF_STEP; the same with ampfused.GradScaler(found_inf_group=WORLD), whose flags are 0-dim."""
+    out = {}
+    for kind in ("ampfused-sharded", "ampfused-group"):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(8, device=device))
+        optimizer = make_opt("adam-fused", [p])
+        sc = make_scaler(kind, device)
+        log = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            sc.scale((p * p).sum()).backward()
+            if step == INF_STEP and rank == 1:
+                with torch.no_grad():
+                    p.grad[0] = INF
+            sc.unscale_(optimizer)
+            sc.step(optimizer)
+            sc.update()
+            log.append(scaler_state(sc))
+        out[kind] = {"log": log, "params": snap(p)}
+    return out

@@ -1322,7 +1322,12 @@ class GradScaler(torch.amp.GradScaler):
         # cost (the flags are 0.0 or 1.0, never -0.0, so the bits are the same).
         found_inf: torch.Tensor | int = 0
         dev = scale.device
+        # 0-dim for the optimizer, whose _foreach_sub_ of its 0-dim step counts refuses the
+        # (1,) shape ShardedGradScaler's unscale_ gives the flags (torch's fails there).
+        one_dim = bool(self._unscale_found_shape)
         for flag_device, flag in optimizer_state["found_inf_per_device"].items():
+            if one_dim:
+                flag = flag.reshape(())
             if flag_device != dev:
                 flag = flag.to(dev, non_blocking=True)
             found_inf = flag.clone() if type(found_inf) is int else found_inf + flag

@@ -67,11 +67,6 @@ def test_sharded_found_inf_shapes_match_torchs(pool: RankPool) -> None:
         assert r["ampfused step_skipped_tensor after clip"] == ()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a fused optimizer after unscale_ gets ShardedGradScaler's (1,)-shaped found_inf and "
-    "fails in its _foreach_sub_ of the 0-dim step counts (torch's ShardedGradScaler fails alike)",
-)
 def test_sharded_scaler_unscale_then_fused_optimizer(pool: RankPool) -> None:
     """FSDP1's usual clipping pattern (unscale_, clip, step) with Adam(fused=True): it runs, the
     ranks agree, and the result is the one of ampfused.GradScaler with found_inf_group."""

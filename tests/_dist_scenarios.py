@@ -641,3 +641,24 @@ def sharded_unscale_then_fused_step(rank: int, world: int, device: str) -> dict:
             log.append(scaler_state(sc))
         out[kind] = {"log": log, "params": snap(p)}
     return out
+
+
+def fsdp1_clip(rank: int, world: int, device: str) -> dict:
+    """FSDP1, one step clipped to a total norm of 0.05: torch's ShardedGradScaler with FSDP's
+    own clip (unscale_, then FullyShardedDataParallel.clip_grad_norm_: the norm over every
+    rank's shards), and ampfused's ShardedGradScaler.clip_grad_norm_.  The norms returned."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    out = {}
+    for kind in ("torch-sharded", "ampfused-sharded"):
+        wrapped = FullyShardedDataParallel(make_model(device), device_id=torch.device(device))
+        optimizer = make_opt("sgd", wrapped.parameters())
+        sc = make_scaler(kind, device)
+        sc.scale(loss_of(wrapped, batch(0, rank, device))).backward()
+        if kind == "torch-sharded":
+            sc.unscale_(optimizer)
+            norm = wrapped.clip_grad_norm_(0.05)
+        else:
+            norm = sc.clip_grad_norm_(optimizer, 0.05)
+        out[kind] = float(norm)
+    return out

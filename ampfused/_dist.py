@@ -30,6 +30,18 @@ def _dist() -> Any:
     return dist
 
 
+class _NoGroup:
+    """found_inf_group's default: no reduction.  (None is refused, not taken for it:
+    ``dist.group.WORLD`` is None until ``init_process_group()`` has run, and a scaler made
+    before then would silently never reduce.)"""
+
+    def __repr__(self) -> str:
+        return "ampfused.NO_GROUP"
+
+
+NO_GROUP = _NoGroup()
+
+
 def check_found_inf_group(where: str, value: Any, name: str = "found_inf_group") -> tuple[Any, ...]:
     """The found_inf_group argument (or another one, named ``name``) as a tuple of process
     groups (empty: no reduction).
@@ -39,7 +51,7 @@ def check_found_inf_group(where: str, value: Any, name: str = "found_inf_group")
     tuple of them.  On a rank outside a group, ``dist.new_group`` returns
     ``GroupMember.NON_GROUP_MEMBER``: accepted, and no collective is run over that group there.
     """
-    if value is None:
+    if value is NO_GROUP:
         return ()
     items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     dist = _dist()
@@ -141,6 +153,22 @@ def param_meshes(groups: Sequence[Any]) -> list[tuple[Any, tuple]]:
         for p in group["params"]
         if isinstance(p, dtensor)
     ]
+
+
+def unique(plan: list[Reduction]) -> list[Reduction]:
+    """The plan without repeats of a (group, op): the default group given as None (a mesh that
+    spans the world) and as the group object (found_inf_group=dist.group.WORLD) are one."""
+    if len(plan) < 2:
+        return plan
+    world = _dist().group.WORLD
+    out: list[Reduction] = []
+    seen: list[Reduction] = []
+    for group, op in plan:
+        key = (world if group is None else group, op)
+        if not any(key[0] is g and key[1] == o for g, o in seen):
+            seen.append(key)
+            out.append((group, op))
+    return out
 
 
 def all_reduce_flags(flags: Sequence[torch.Tensor], plan: Sequence[Reduction]) -> None:

@@ -443,7 +443,10 @@ class GradScaler(torch.amp.GradScaler):
             all-reduce, and for tensor/pipeline parallel groups (Megatron reduces over its
             model-parallel group).  One all-reduce per group per pass, on the flag's device (no
             host sync with NCCL); a rank with no gradients joins with a zero flag.  DTensor
-            gradients (FSDP2, tensor parallel) are reduced over their meshes without it.
+            gradients (FSDP2, tensor parallel) are reduced over their meshes without it.  Left
+            out: no reduction (None is refused: ``dist.group.WORLD`` is None until
+            ``init_process_group()``, so make the scaler after it).  A scaler holding groups
+            cannot be pickled (process groups cannot), as torch's ShardedGradScaler.
 
     Raises:
         AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch).
@@ -470,7 +473,7 @@ class GradScaler(torch.amp.GradScaler):
         at_min_scale: str = "clamp",
         scaling: bool = True,
         allow_fp16: bool = False,
-        found_inf_group: Any = None,
+        found_inf_group: Any = _dist.NO_GROUP,
     ) -> None:
         found_inf_groups = _dist.check_found_inf_group(type(self).__name__, found_inf_group)
         if type(scaling) is not bool:
@@ -932,7 +935,7 @@ class GradScaler(torch.amp.GradScaler):
         plan_done: how many of found_inf_group's reductions torch's own method already ran."""
         if not found:
             plan_done = 0  # torch's method had no flag to reduce: it ran none of the plan
-        plan = [*mesh_plan, *self._found_inf_plan[plan_done:]]
+        plan = _dist.unique([*mesh_plan, *self._found_inf_plan[plan_done:]])
         if not plan:
             return found
         if not found:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.distributed.fsdp.sharded_grad_scaler import (
     ShardedGradScaler as _TorchShardedGradScaler,
 )
@@ -68,7 +69,9 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):
                 "use ampfused.GradScaler for that option"
             )
         # (a rank outside process_group, given GroupMember.NON_GROUP_MEMBER, reduces over none)
-        own = _dist.check_found_inf_group("ShardedGradScaler", process_group, "process_group")
+        own = ()
+        if process_group is not None:
+            own = _dist.check_found_inf_group("ShardedGradScaler", process_group, "process_group")
         GradScaler.__init__(
             self,
             device,
@@ -90,6 +93,31 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):
                 sum_plan = _dist.reductions(own, "sum")
             self._found_inf_plan = sum_plan + self._found_inf_plan
             self._plan_done_by_torch_unscale = len(sum_plan)
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Refused: FSDP1's gradients are shards (flat parameters split across the ranks, or
+        not, with NO_SHARD and HYBRID_SHARD), so their total norm needs the sharding FSDP knows.
+        Unscale, then clip with FSDP's own method::
+
+            scaler.unscale_(optimizer)
+            model.clip_grad_norm_(max_norm)
+            scaler.step(optimizer)
+
+        Raises:
+            NotImplementedError: always, before anything changes.
+        """
+        raise NotImplementedError(
+            "ShardedGradScaler.clip_grad_norm_: FSDP1's gradients are shards, so their total norm "
+            "needs every rank's (this rank's shards alone would clip by a wrong norm). Clip with "
+            "FSDP's own method after unscaling: scaler.unscale_(optimizer); "
+            "model.clip_grad_norm_(max_norm); scaler.step(optimizer)"
+        )
 
 
 def _sum_op() -> Any:

@@ -591,7 +591,7 @@ def watch_two_optimizers(rank: int, world: int, device: str) -> dict:
 
 def sharded_found_inf_shapes(rank: int, world: int, device: str) -> dict:
     """The found_inf tensors users can see, from ampfused's ShardedGradScaler and torch's: after
-    unscale_, after clip_grad_norm_ (torch's: unscale_ + clip), and step_skipped_tensor."""
+    unscale_, after unscale_ + clip, and step_skipped_tensor."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     dt = torch.device(device).type
@@ -603,12 +603,9 @@ def sharded_found_inf_shapes(rank: int, world: int, device: str) -> dict:
         for how in ("unscale_", "clip"):
             sc.scale(torch.ones((), device=device))
             p.grad = torch.ones(4, device=device)
-            if how == "clip" and name == "ampfused":
-                sc.clip_grad_norm_(optimizer, 1.0)
-            else:
-                sc.unscale_(optimizer)
-                if how == "clip":
-                    torch.nn.utils.clip_grad_norm_([p], 1.0)
+            sc.unscale_(optimizer)  # (ShardedGradScaler.clip_grad_norm_ refuses: FSDP clips)
+            if how == "clip":
+                torch.nn.utils.clip_grad_norm_([p], 1.0)
             out[f"{name} {how}"] = [shape for shape, _ in found_infs(sc, optimizer)]
             sc.step(optimizer)
             if name == "ampfused":
@@ -644,21 +641,25 @@ def sharded_unscale_then_fused_step(rank: int, world: int, device: str) -> dict:
 
 
 def fsdp1_clip(rank: int, world: int, device: str) -> dict:
-    """FSDP1, one step clipped to a total norm of 0.05: torch's ShardedGradScaler with FSDP's
-    own clip (unscale_, then FullyShardedDataParallel.clip_grad_norm_: the norm over every
-    rank's shards), and ampfused's ShardedGradScaler.clip_grad_norm_.  The norms returned."""
+    """FSDP1, one step clipped to a total norm of 0.05 by FSDP's own clip (unscale_, then
+    FullyShardedDataParallel.clip_grad_norm_: the norm over every rank's shards) under torch's
+    and ampfused's ShardedGradScaler; ampfused's clip_grad_norm_ tried first (it must refuse,
+    changing nothing).  The norms returned."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    out = {}
+    out: dict[str, Any] = {}
     for kind in ("torch-sharded", "ampfused-sharded"):
         wrapped = FullyShardedDataParallel(make_model(device), device_id=torch.device(device))
         optimizer = make_opt("sgd", wrapped.parameters())
         sc = make_scaler(kind, device)
         sc.scale(loss_of(wrapped, batch(0, rank, device))).backward()
-        if kind == "torch-sharded":
-            sc.unscale_(optimizer)
-            norm = wrapped.clip_grad_norm_(0.05)
-        else:
-            norm = sc.clip_grad_norm_(optimizer, 0.05)
-        out[kind] = float(norm)
+        if kind == "ampfused-sharded":
+            before = [snap(p.grad) for p in wrapped.parameters()]
+            try:
+                sc.clip_grad_norm_(optimizer, 0.05)
+            except NotImplementedError as e:
+                out["refused"] = str(e)
+            out["unchanged"] = before == [snap(p.grad) for p in wrapped.parameters()]
+        sc.unscale_(optimizer)
+        out[kind] = float(wrapped.clip_grad_norm_(0.05))
     return out

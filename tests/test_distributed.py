@@ -312,6 +312,7 @@ def test_sharded_scaler_state_dict_loads_both_ways() -> None:
     [
         ("world", r"found_inf_group must be a torch.distributed.ProcessGroup.*got str"),
         ([None], r"found_inf_group must be .*got NoneType.*init_process_group"),
+        (None, r"found_inf_group must be .*got NoneType.*init_process_group"),
         (3, r"found_inf_group must be .*got int"),
     ],
 )

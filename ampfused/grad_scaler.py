@@ -1602,7 +1602,8 @@ class GradScaler(torch.amp.GradScaler):
         """Per-parameter L2 norms of the unscaled gradients and their total, keyed as
         Lightning's ``grad_norm`` keys them (``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``),
         as Python floats from one device-to-host copy: ready for ``self.log_dict``, W&B or
-        TensorBoard.  Needs :meth:`watch`; empty before the first pass.  Syncs."""
+        TensorBoard.  Needs :meth:`watch`; empty before the first pass.  Syncs.  Under FSDP or
+        tensor parallelism, the norms of this rank's shards."""
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"grad_norms: the fused pass computes L2 norms only (norm_type=2.0), got "

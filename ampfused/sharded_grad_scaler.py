@@ -14,7 +14,10 @@ Where it differs, on purpose:
   ``_check_inf_per_device`` skips it, so a rank that saw an inf skips while the others step;
 * a rank with no local gradients joins every collective, in the same order, with a zero flag;
 * one pass per device, the scale update computed on the device (torch's takes a Python path
-  with ``.item()`` for a CPU scale).
+  with ``.item()`` for a CPU scale, which also lets a growing scale overflow to inf where torch's
+  ``_amp_update_scale_``, and ampfused, keep the last finite one);
+* ``clip_grad_norm_`` (ampfused's addition to GradScaler) is refused: FSDP1 clips with its own
+  ``model.clip_grad_norm_``.
 """
 
 from __future__ import annotations

@@ -494,7 +494,7 @@ def fused_step_reads_nothing(rank: int, world: int, device: str, engine: str) ->
     return skipped
 
 
-# ---------------------------------------------------------------------------------- review
+# ---------------------------------------------------------------------------------- edges
 class _CountAllReduce:
     """While active, dist.all_reduce is counted and NOT run (returns at once): a scenario whose
     ranks would run different collectives reports the counts instead of hanging."""

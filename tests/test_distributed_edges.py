@@ -1,6 +1,6 @@
-"""Review of the distributed agreement (issue 11): cases the first suite does not reach.
+"""The distributed agreement's edge cases: what tests/test_distributed.py does not reach.
 
-Scenarios in tests/_dist_scenarios.py (the "review" section), on 2 gloo ranks.  Where ranks
+Scenarios in tests/_dist_scenarios.py (the "edges" section), on 2 gloo ranks.  Where ranks
 would run different collectives, the scenarios count dist.all_reduce calls instead of running
 them, so a mismatch is reported, not waited on.
 """

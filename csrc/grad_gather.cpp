@@ -88,6 +88,8 @@ class Unwrap {
     local_attr_ = t[1];
     spec_attr_ = t[2];
     specs_ = t[3];
+    mesh_attr_ = py::str("mesh");
+    placements_attr_ = py::str("placements");
   }
   bool on() const { return type_.ptr() != nullptr; }
 
@@ -118,8 +120,8 @@ class Unwrap {
   }
 
  private:
-  py::object type_, local_attr_, spec_attr_, specs_;
-  const py::str mesh_attr_{"mesh"}, placements_attr_{"placements"};
+  // (all null when not unwrapping: a plain pass makes no Python object)
+  py::object type_, local_attr_, spec_attr_, specs_, mesh_attr_, placements_attr_;
   std::vector<std::pair<PyObject*, PyObject*>> seen_;  // borrowed: the list holds them
 };
 
@@ -164,7 +166,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
                                         std::string(Py_TYPE(obj)->tp_name) + " at " + where(gi, i));
       }
       const at::Tensor& param = THPVariable_Unpack(obj);
-      at::Tensor grad = param.grad();
+      const at::Tensor& grad = param.grad();
       if (!grad.defined()) continue;
       const auto dtype = grad.scalar_type();
       if (dtype == at::kHalf && !allow_fp16) {
@@ -194,17 +196,17 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
         }
         continue;
       }
+      // What is gathered when it is not grad itself (then owned here for the pass): a sparse
+      // grad's values, a DTensor grad's local shard.
+      at::Tensor values;
       if (grad.unsafeGetTensorImpl()->is_python_dispatch()) {
         // (the dtype and layout checked above are the local shard's: a DTensor reports them)
-        at::Tensor local = dtensors.on() ? dtensors.local_of(grad) : at::Tensor();
-        if (!local.defined()) {
+        if (dtensors.on()) values = dtensors.local_of(grad);
+        if (!values.defined()) {
           skip_rest = fallback = true;
           continue;
         }
-        grad = std::move(local);
-      }
-      at::Tensor values;  // defined for sparse grads only
-      if (layout == at::kSparse) {
+      } else if (layout == at::kSparse) {
         if (dtype == at::kHalf) {
           // As torch does: duplicates of a float16 sparse grad may only overflow once summed.
           at::Tensor coalesced = grad.coalesce();
@@ -230,10 +232,8 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
       }
       if (values.defined()) {
         slot->own(std::move(values));
-      } else if (grad.is_same(param.grad())) {
-        slot->borrow(grad);
       } else {
-        slot->own(std::move(grad));  // a local shard: held here for the pass
+        slot->borrow(grad);
       }
       if (positions) slot->positions.push_back(position);
     }

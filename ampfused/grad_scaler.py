@@ -857,7 +857,20 @@ class GradScaler(torch.amp.GradScaler):
         # DTensor gradients (FSDP2, tensor parallel) go through the pass as their local shards,
         # with found_inf then reduced over their meshes.
         unwrap = _dist.dtensor_unwrap()
-        result = self._run_pass(groups, check_only, allow_fp16, tables, unwrap)
+        nxt = self._pending_buffer(dev)
+        pending = self._pending
+        result = _C.fused_pass(
+            groups,
+            self._pass_state(),
+            nxt,
+            *factors,
+            *self._kernel_policy,
+            check_only,
+            pending is not None and bool(pending.found),
+            allow_fp16,
+            self._watch is not None or tables is not None,
+            unwrap,
+        )
         mesh_plan = _dist.mesh_plan(unwrap[3]) if unwrap is not None and unwrap[3] else []
         if result is not None and not result:
             # No gradient on this rank: it joins the all-reduces over its DTensor parameters'
@@ -877,7 +890,6 @@ class GradScaler(torch.amp.GradScaler):
                 self, _ParamGroups(groups), inv_scale, found_inf, allow_fp16
             )
             return self._agree(found, (), len(self._stats_now))
-        pending = self._pending
         if pending is None:
             pending = self._pending = _Pending(
                 scale, tracker, (self._growth_factor, self._backoff_factor, self._growth_interval)
@@ -895,30 +907,6 @@ class GradScaler(torch.amp.GradScaler):
                     tables.append((stats, positions, groups))
         return self._agree(found, mesh_plan, first_table)
 
-    def _run_pass(
-        self, groups: Any, check_only: bool, allow_fp16: bool, tables: list | None, unwrap: Any
-    ) -> list | None:
-        """_C.fused_pass over the groups with the scaler's state (None: a gradient needs torch's
-        walk, and nothing was read); DTensor gradients as their local shards with unwrap."""
-        factors = _kernel_update_args(
-            self._growth_factor, self._backoff_factor, self._growth_interval
-        )
-        assert factors is not None
-        nxt = self._pending_buffer(self._scale.device)  # type: ignore[union-attr]
-        pending = self._pending
-        return _C.fused_pass(
-            groups,
-            self._pass_state(),
-            nxt,
-            *factors,
-            *self._kernel_policy,
-            check_only,
-            pending is not None and bool(pending.found),
-            allow_fp16,
-            self._watch is not None or tables is not None,
-            unwrap,
-        )
-
     def _agree(
         self,
         found: dict[torch.device, torch.Tensor],
@@ -933,6 +921,8 @@ class GradScaler(torch.amp.GradScaler):
         update, computed from this rank's flags, is dropped (update() computes it from the
         agreed ones), and the verdict in this pass's statistics tables becomes the agreed one.
         plan_done: how many of found_inf_group's reductions torch's own method already ran."""
+        if not mesh_plan and not self._found_inf_plan:
+            return found  # (single-process training: nothing to agree on)
         if not found:
             plan_done = 0  # torch's method had no flag to reduce: it ran none of the plan
         plan = _dist.unique([*mesh_plan, *self._found_inf_plan[plan_done:]])
@@ -1109,9 +1099,6 @@ class GradScaler(torch.amp.GradScaler):
                 tables=tables,
             )
         if found is not None and not unscaled:
-            shape = self._unscale_found_shape  # (as unscale_ leaves them)
-            if shape:
-                found = {d: f.reshape(shape) for d, f in found.items()}
             optimizer_state["found_inf_per_device"] = found
             optimizer_state["stage"] = _UNSCALED
         dev = self._scale.device  # type: ignore[union-attr]

@@ -90,10 +90,8 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):
             self.process_group = process_group
             # SUM over process_group first, as torch's (the flags users see count the ranks
             # that found inf/NaN), then MAX over found_inf_group.
-            if process_group is None:
-                sum_plan = [(None, _sum_op())]
-            else:
-                sum_plan = _dist.reductions(own, "sum")
+            # (None: the default group)
+            sum_plan = _dist.reductions((None,) if process_group is None else own, "sum")
             self._found_inf_plan = sum_plan + self._found_inf_plan
             self._plan_done_by_torch_unscale = len(sum_plan)
 
@@ -121,9 +119,3 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):
             "FSDP's own method after unscaling: scaler.unscale_(optimizer); "
             "model.clip_grad_norm_(max_norm); scaler.step(optimizer)"
         )
-
-
-def _sum_op() -> Any:
-    import torch.distributed as dist
-
-    return dist.ReduceOp.SUM

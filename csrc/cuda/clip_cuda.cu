@@ -2,11 +2,8 @@
 // lane l of clip_math.h's order (rows l, l + kTotalLanes, ... in order), the lanes meet in a
 // shared-memory tree with a barrier per level, and thread 0 writes the two outputs.  A table has
 // a row per 64K gradient elements (~2,000 for a 124M-parameter model), so one block suffices.
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-
 #include "clip.h"
+#include "cuda/runtime.cuh"
 
 namespace ampfused {
 namespace cuda {
@@ -31,10 +28,9 @@ __global__ void __launch_bounds__(kTotalLanes) clip_factor_kernel(const ClipPara
 }  // namespace cuda
 
 void launch_clip_cuda(const ClipParams& p, const at::Tensor& on_device) {
-  const c10::cuda::CUDAGuard guard(on_device.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(on_device.get_device()).stream();
-  cuda::clip_factor_kernel<<<1, kTotalLanes, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cuda::rt::DeviceGuard guard(on_device.device());
+  const cuda::rt::Stream stream = cuda::rt::current_stream(cuda::rt::device_of(on_device));
+  cuda::rt::launch<cuda::clip_factor_kernel>(1, kTotalLanes, stream, p);
 }
 
 }  // namespace ampfused

@@ -8,24 +8,15 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAMacros.h>
 
-#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <tuple>
 #include <vector>
 
+#include "cuda/runtime.cuh"
 #include "launch_table.h"
-
-// Work items travel in the kernel parameters, beyond the 4 KB that CUDA allowed before 12.1.
-#if !defined(CUDART_VERSION) || CUDART_VERSION < 12010
-#error "ampfused's CUDA kernels need CUDA 12.1 or newer (kernel parameters up to 32,764 bytes)"
-#endif
 
 namespace ampfused {
 namespace cuda {
@@ -65,14 +56,12 @@ struct LaunchArgs {
 //   between two of its launches;
 // - a pass under CUDA graph capture: the zero fill is captured with it, so each replay starts
 //   from zeros, and no eager pass or other graph can touch it while a replay runs.
-inline at::Tensor pass_workspace(const at::Tensor& like, cudaStream_t stream, bool one_launch) {
+inline at::Tensor pass_workspace(const at::Tensor& like, rt::Stream stream, bool one_launch) {
   const auto zeros = [&] { return at::zeros({kWorkspaceInts}, like.options().dtype(at::kInt)); };
-  if (!one_launch || at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
-    return zeros();
-  }
+  if (!one_launch || rt::capturing()) return zeros();
   static std::mutex mu;
-  static std::vector<std::tuple<int, cudaStream_t, at::Tensor>> per_stream;
-  const int device = like.get_device();
+  static std::vector<std::tuple<int, rt::Stream, at::Tensor>> per_stream;
+  const int device = rt::device_of(like);
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& [d, s, t] : per_stream) {
     if (d == device && s == stream) return t;
@@ -80,23 +69,6 @@ inline at::Tensor pass_workspace(const at::Tensor& like, cudaStream_t stream, bo
   per_stream.emplace_back(device, stream, zeros());
   if (per_stream.size() > kMaxStreamWorkspaces) per_stream.erase(per_stream.begin());
   return std::get<2>(per_stream.back());
-}
-
-// Blocks of `kKernel` that fit on `device` at once: a persistent grid of this size never runs in
-// waves.  Computed once per (kernel, device); a racing first call computes the same value.
-template <auto kKernel>
-int64_t resident_blocks(int device) {
-  static std::atomic<int64_t> per_device[C10_COMPILE_TIME_MAX_GPUS] = {};
-  std::atomic<int64_t>& n = per_device[device];
-  int64_t blocks = n.load(std::memory_order_relaxed);
-  if (blocks == 0) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kBlockSize, 0));
-    blocks =
-        int64_t{at::cuda::getDeviceProperties(device)->multiProcessorCount} * std::max(1, per_sm);
-    n.store(blocks, std::memory_order_relaxed);
-  }
-  return blocks;
 }
 
 // Grid of a launch over `items` items: at most one resident wave, and at least one block, since

@@ -5,8 +5,6 @@
 // to the first 16-byte boundary, 16-byte vectors with kUnroll loads in flight per thread, and a
 // scalar tail, so misaligned views still get the vector path.  The pass result is reduced with
 // __syncthreads_or per block and handled as the launch's Epilogue says.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -246,12 +244,13 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
 }
 
 template <auto kKernel, int64_t kCapacity>
-void launch_kernel(const KernelArgs<kCapacity>& k, int device, cudaStream_t stream) {
-  kKernel<<<grid_size(k.num_items, resident_blocks<kKernel>(device)), kBlockSize, 0, stream>>>(k);
+void launch_kernel(const KernelArgs<kCapacity>& k, int device, rt::Stream stream) {
+  const unsigned grid = grid_size(k.num_items, rt::resident_blocks<kKernel>(device, kBlockSize));
+  rt::launch<kKernel>(grid, kBlockSize, stream, k);
 }
 
 template <bool kCheckOnly, bool kStats, int64_t kCapacity>
-void launch(const KernelArgs<kCapacity>& k, bool float_only, int device, cudaStream_t stream) {
+void launch(const KernelArgs<kCapacity>& k, bool float_only, int device, rt::Stream stream) {
   if (float_only) {
     launch_kernel<unscale_kernel<kCheckOnly, true, kStats, kCapacity>>(k, device, stream);
   } else {
@@ -262,7 +261,7 @@ void launch(const KernelArgs<kCapacity>& k, bool float_only, int device, cudaStr
 // One launch: the next items of `plan`, as many as the class kCapacity holds.
 template <int64_t kCapacity>
 void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, int* workspace,
-                  int device, cudaStream_t stream) {
+                  int device, rt::Stream stream) {
   static_assert(sizeof(KernelArgs<kCapacity>) <= kMaxKernelParamBytes,
                 "kernel parameters over the CUDA limit: lower the largest kLaunchCapacities");
   KernelArgs<kCapacity> k;  // items past num_items stay unset: the kernel never reads them
@@ -281,7 +280,6 @@ void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, in
     stats ? launch<false, true>(k, float_only, device, stream)
           : launch<false, false>(k, float_only, device, stream);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -289,9 +287,9 @@ void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, in
 
 void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
                       const at::Tensor& any_device_tensor) {
-  const c10::cuda::CUDAGuard guard(any_device_tensor.device());
-  const int device = any_device_tensor.get_device();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  const cuda::rt::DeviceGuard guard(any_device_tensor.device());
+  const int device = cuda::rt::device_of(any_device_tensor);
+  const cuda::rt::Stream stream = cuda::rt::current_stream(device);
   // Overwriting found_inf, updating the scale or the stats header needs the whole pass's result
   // in one place.
   const bool hand_off = args.needs_whole_pass();

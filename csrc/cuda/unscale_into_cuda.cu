@@ -6,9 +6,6 @@
 // threads read and write consecutive elements.  Per element: visit_into (unscale_math.h, the
 // same function the CPU kernel runs).  found_inf is set, never cleared, so blocks and launches
 // need no hand-off: every block that saw inf/NaN stores 1.0 (a benign race).
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -82,13 +79,13 @@ __global__ void __launch_bounds__(kIntoBlockSize)
 // One launch over items[first, first + count), count <= kCapacity.
 template <int kCapacity>
 void launch_slice(const std::vector<IntoItem>& items, size_t first, int count,
-                  const float* inv_scale, float* found_inf, cudaStream_t stream) {
+                  const float* inv_scale, float* found_inf, rt::Stream stream) {
   IntoArgs<kCapacity> k;  // items past count stay unset: no block reads them
   k.inv_scale = inv_scale;
   k.found_inf = found_inf;
   std::copy_n(items.begin() + static_cast<std::ptrdiff_t>(first), count, k.items);
-  unscale_into_kernel<kCapacity><<<count, kIntoBlockSize, 0, stream>>>(k);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  rt::launch<unscale_into_kernel<kCapacity>>(static_cast<unsigned>(count), kIntoBlockSize, stream,
+                                             k);
 }
 
 }  // namespace
@@ -96,8 +93,8 @@ void launch_slice(const std::vector<IntoItem>& items, size_t first, int count,
 
 void launch_into_cuda(const std::vector<IntoSpan>& spans, const float* inv_scale, float* found_inf,
                       const at::Tensor& on_device) {
-  const c10::cuda::CUDAGuard guard(on_device.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(on_device.get_device()).stream();
+  const cuda::rt::DeviceGuard guard(on_device.device());
+  const cuda::rt::Stream stream = cuda::rt::current_stream(cuda::rt::device_of(on_device));
   std::vector<cuda::IntoItem> items;
   for (const IntoSpan& s : spans) {
     const size_t elem = c10::elementSize(s.dtype);

@@ -1,0 +1,79 @@
+// The seam between ampfused's CUDA kernels and a CUDA runtime: streams, the device guard, the
+// device of a tensor, graph capture, occupancy and the launch itself.
+//
+// nvcc builds it over CUDA's runtime (the product).  A host build (AMPFUSED_HOST_CUDA, tests
+// only: csrc/host_cuda/) builds it over the host execution layer, so that the very kernels and
+// launchers of csrc/cuda/ compile with the C++ compiler and run over CPU tensors with CUDA's
+// semantics (threads, blocks, barriers, shuffles, atomics).  Nothing else in csrc/cuda/ names a
+// CUDA header or API.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#if defined(AMPFUSED_HOST_CUDA)
+#include "host_cuda/runtime.h"
+#else
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAMacros.h>
+
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
+#include <algorithm>
+#include <atomic>
+
+// Work items travel in the kernel parameters, beyond the 4 KB that CUDA allowed before 12.1.
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+#error "ampfused's CUDA kernels need CUDA 12.1 or newer (kernel parameters up to 32,764 bytes)"
+#endif
+
+namespace ampfused {
+namespace cuda {
+namespace rt {
+
+using Stream = cudaStream_t;
+using DeviceGuard = c10::cuda::CUDAGuard;
+
+inline int device_of(const at::Tensor& t) { return t.get_device(); }
+
+inline Stream current_stream(int device) { return at::cuda::getCurrentCUDAStream(device).stream(); }
+
+// Whether the current stream is being captured into a CUDA graph.
+inline bool capturing() {
+  return at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None;
+}
+
+// Blocks of `kKernel` (launched with `block` threads) that fit on `device` at once: a
+// persistent grid of this size never runs in waves.  Computed once per (kernel, device); a
+// racing first call computes the same value.
+template <auto kKernel>
+int64_t resident_blocks(int device, int block) {
+  static std::atomic<int64_t> per_device[C10_COMPILE_TIME_MAX_GPUS] = {};
+  std::atomic<int64_t>& n = per_device[device];
+  int64_t blocks = n.load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, block, 0));
+    blocks =
+        int64_t{at::cuda::getDeviceProperties(device)->multiProcessorCount} * std::max(1, per_sm);
+    n.store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
+// kKernel<<<grid, block, 0, stream>>>(args...), then the launch's error check.
+template <auto kKernel, typename... Args>
+void launch(unsigned grid, unsigned block, Stream stream, const Args&... args) {
+  // clang-format reads a .cuh as C++ and would split the chevrons.
+  // clang-format off
+  kKernel<<<grid, block, 0, stream>>>(args...);
+  // clang-format on
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace rt
+}  // namespace cuda
+}  // namespace ampfused
+#endif

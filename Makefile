@@ -23,6 +23,8 @@ endif
 CXX_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu \
 	csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
 SOURCES := setup.py ampfused/_build_check.py $(CXX_SOURCES)
+# The host execution layer (tests only, built by tests/host_cuda.py) is linted with the rest.
+LINT_CXX := $(CXX_SOURCES) $(wildcard csrc/host_cuda/*.cpp csrc/host_cuda/*.h)
 # One in-place _C for the whole tree: the stamp names the interpreter it was built for, and
 # installing for another interpreter deletes the other stamps so switching back rebuilds.
 STAMP := build/.installed-$(subst /,_,$(PY))
@@ -63,7 +65,7 @@ CLANG_FORMAT := $(PY) -c "import sys, clang_format; sys.argv[0] = 'clang-format'
 
 lint:
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
-	$(CLANG_FORMAT) --dry-run --Werror $(CXX_SOURCES)
+	$(CLANG_FORMAT) --dry-run --Werror $(LINT_CXX)
 
 clean:
 	rm -rf build *.egg-info ampfused/_C*.so

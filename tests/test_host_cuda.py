@@ -1,0 +1,473 @@
+"""Every CUDA kernel of csrc/cuda/, executed on the CPU by the host execution layer.
+
+tests/host_cuda.py builds the kernels and launchers of csrc/cuda/ with the C++ compiler over
+csrc/host_cuda/runtime.h (real barriers, seeded thread and warp orders, 32-lane shuffles, blocks
+in flight together) as the ops ``torch.ops.ampfused_host.*``.  Each test runs one op three ways
+on copies of the same inputs: that CUDA code, the CPU kernels (``torch.ops.ampfused``) and
+:mod:`ampfused.reference`, and requires the same bits from all three in every tensor the op may
+write (gradients, found_inf, the scale state, the statistics table, the clip outputs).
+
+Kernels and what drives them here:
+- unscale_kernel, all 16 variants (check-only/writing x float-only/mixed x with/without
+  statistics x two launch capacities): the unscale family and scaler_pass_;
+- the launchers' plan: one and several launches (epilogues kSetFlag, kAccumulate, kFinish), the
+  shared per-stream workspace and its re-zeroing, a private one under graph capture;
+- clip_factor_kernel; unscale_into_kernel (both capacities); finish_pass through scaler_update_.
+
+What this cannot show (nvcc's code generation, the GPU's memory model, real concurrency inside
+a block, speed) stays for a GPU: .ci/gpu.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ampfused import ops, reference
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+CHUNK = ops.CHUNK_SIZE
+INF, NAN = math.inf, math.nan
+SMALL, LARGE = 256, 2032  # launch capacities (csrc/launch_table.h, kLaunchCapacities)
+
+# (seed, blocks in flight, resident blocks, graph capture): a persistent grid of one block; of
+# three blocks, two at a time; of seven, three at a time, with the capture path's workspace.
+SCHEDULES = {
+    "grid1": (11, 1, 1, False),
+    "grid3-inflight2": (22, 2, 3, False),
+    "grid7-inflight3-captured": (33, 3, 7, True),
+}
+
+
+@pytest.fixture(scope="module")
+def host():  # noqa: ANN201
+    import host_cuda
+
+    return host_cuda.load()
+
+
+@pytest.fixture(params=list(SCHEDULES))
+def schedule(request: pytest.FixtureRequest, host) -> str:  # noqa: ANN001
+    host.configure(*SCHEDULES[request.param])
+    return request.param
+
+
+# ------------------------------------------------------------------------------------ helpers
+def copy_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with t's values, dtype, storage offset and strides in storage of its own (a
+    misaligned or strided view stays one)."""
+    storage = t.untyped_storage()
+    out = torch.empty(0, dtype=t.dtype)
+    out.set_(storage.clone(), t.storage_offset(), t.size(), t.stride())
+    return out
+
+
+def copies(args: list[Any]) -> list[Any]:
+    return [
+        [copy_of(t) for t in a] if isinstance(a, list) else copy_of(a) if torch.is_tensor(a) else a
+        for a in args
+    ]
+
+
+def tensors_of(args: list[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, list):
+            out += a
+        elif torch.is_tensor(a):
+            out.append(a)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:
+        return t.reshape(-1).view(torch.uint8)
+    view = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    return t.contiguous().view(view)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str, any_nan: bool = False) -> None:
+    """Bit equality; with `any_nan`, a NaN matches any NaN (the reference computes with torch's
+    ops, whose NaN payloads and signs differ from the kernels' where a NaN is multiplied)."""
+    a, b = bits(got), bits(want)
+    if any_nan and got.is_floating_point():
+        both = got.isnan() & want.isnan()
+        a, b = a.masked_fill(both.reshape(a.shape), 0), b.masked_fill(both.reshape(b.shape), 0)
+    if torch.equal(a, b):
+        return
+    diff = (a != b).nonzero()
+    first = diff[0].tolist()
+    raise AssertionError(
+        f"{what}: {len(diff)} of {a.numel()} elements differ, first at {first}: "
+        f"{got[tuple(first)].item()!r} vs {want[tuple(first)].item()!r}"
+    )
+
+
+def run_three(host, name: str, args: list[Any], oracles: tuple[str, ...] | None = None):  # noqa: ANN001, ANN201
+    """Runs op `name` as the host-executed CUDA code, then each oracle, on copies of `args`;
+    asserts every tensor argument ends with the same bits.  Returns the host run's arguments.
+    By default the oracles are the CPU kernels and the reference; past 300 tensors the CPU
+    kernels only (the reference's Python loop would dominate; test_ops.py holds the CPU kernels
+    to the reference on such sets)."""
+    if oracles is None:
+        oracles = ("cpu",) if len(tensors_of(args)) > 300 else ("cpu", "reference")
+    runs = {"cuda (host)": copies(args)}
+    getattr(host, name)(*runs["cuda (host)"])
+    impls: dict[str, Callable[..., Any]] = {
+        "cpu": getattr(torch.ops.ampfused, name),
+        "reference": getattr(reference, name),
+    }
+    for oracle in oracles:
+        runs[oracle] = copies(args)
+        impls[oracle](*runs[oracle])
+        for k, (got, want) in enumerate(
+            zip(tensors_of(runs["cuda (host)"]), tensors_of(runs[oracle]), strict=True)
+        ):
+            what = f"{name}: tensor argument {k} ({tuple(want.shape)}) vs {oracle}"
+            assert_same(got, want, what, any_nan=oracle == "reference")
+    return runs["cuda (host)"]
+
+
+def state(scale: float = 2.0**16, tracker: int = 0, hysteresis_left: int = 1) -> torch.Tensor:
+    s = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+    s[0:1].view(F32).fill_(scale)
+    s[1], s[2] = tracker, hysteresis_left
+    s[3:] = torch.arange(3, ops.STATE_SIZE, dtype=torch.int32) * 7  # counters carried along
+    return s
+
+
+# ------------------------------------------------------------------------------- gradient sets
+def _values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Scaled gradients: wide magnitudes, exact zeros and float16 subnormals among them.
+    v = torch.randn(n, generator=g, dtype=F64) * torch.exp2(
+        torch.randint(-20, 12, (n,), generator=g)
+    )
+    v[torch.rand(n, generator=g) < 0.05] = 0.0
+    return v.to(dtype)
+
+
+def _sizes(dtype: torch.dtype) -> list[torch.Tensor]:
+    sizes = (1, 3, 4, 7, 8, 9, 17, 511, 4096 + 3, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 5)
+    return [_values(n, dtype, k) for k, n in enumerate(sizes)]
+
+
+def _views() -> list[torch.Tensor]:
+    """Misaligned, strided, transposed and zero-size views of every dtype."""
+    out = []
+    for k, dtype in enumerate((F16, BF16, F32, F64)):
+        base = _values(3 * CHUNK + 40, dtype, 100 + k)
+        out.append(base[1 : CHUNK + 3])  # misaligned start, crosses a chunk
+        out.append(base[CHUNK + 7 : 2 * CHUNK + 100])  # odd offset and length
+        out.append(base[2 * CHUNK + 200 : 2 * CHUNK + 200 + 6 * 50].view(50, 6)[:, ::2])  # strided
+        out.append(_values(70 * 33, dtype, 200 + k).view(70, 33).t())  # transposed, dense
+        out.append(base[:0])
+        out.append(_values(0, dtype, 0).view(0, 4))
+    return out
+
+
+def _many(n: int, dtypes: tuple[torch.dtype, ...], seed: int) -> list[torch.Tensor]:
+    """n small gradients (one item each), then a large one: n + 4 items."""
+    out = [_values(13 + k % 11, dtypes[k % len(dtypes)], seed + k) for k in range(n)]
+    return out + [_values(3 * CHUNK + 2, dtypes[0], seed - 1)]
+
+
+GRAD_SETS: dict[str, Callable[[], list[torch.Tensor]]] = {
+    "float32-sizes": lambda: _sizes(F32),  # the float-only kernel
+    "float16-sizes": lambda: _sizes(F16),
+    "bfloat16-sizes": lambda: _sizes(BF16),
+    "float64-sizes": lambda: _sizes(F64),
+    "mixed-views": _views,
+    "empty": lambda: [],
+    "small-capacity": lambda: _many(SMALL - 4, (F16, F32, BF16), 1000),  # exactly 256 items
+    "large-capacity": lambda: _many(SMALL - 3, (F32,), 2000),  # 257 items, float-only
+    "two-launches": lambda: _many(LARGE - 3, (F32, F16, BF16, F64), 3000),  # 2033 items
+    "three-launches-float32": lambda: _many(2 * LARGE + 1, (F32,), 5000),
+}
+STATS_SETS = {"float32-sizes", "bfloat16-sizes", "mixed-views", "empty", "two-launches"}
+
+
+def with_specials(grads: list[torch.Tensor], pattern: str) -> list[torch.Tensor]:
+    """inf/-inf/NaN placed at the first, last, a middle and a chunk-boundary element of some
+    gradients, as `pattern` says ("clean": none)."""
+    grads = [copy_of(g) for g in grads]
+    if pattern == "clean":
+        return grads
+    for k, g in enumerate(grads):
+        if g.numel() == 0 or k % 3 != (0 if pattern == "early" else 2):
+            continue
+        idx = [0, g.numel() - 1, g.numel() // 2, min(CHUNK, g.numel() - 1)]
+        vals = [INF, -INF, NAN, INF] if pattern == "early" else [NAN, INF, -INF, NAN]
+        view = g.reshape(-1) if g.is_contiguous() else None
+        for i, v in zip(idx, vals, strict=True):
+            if view is not None:
+                view[i] = v
+            else:
+                g[tuple(torch.unravel_index(torch.tensor(i), g.shape))] = v
+    return grads
+
+
+# ------------------------------------------------------------------------- the unscale family
+@pytest.mark.parametrize("specials", ["clean", "early", "late"])
+@pytest.mark.parametrize("grad_set", list(GRAD_SETS))
+def test_unscale_family(host, schedule: str, grad_set: str, specials: str) -> None:  # noqa: ANN001
+    grads = with_specials(GRAD_SETS[grad_set](), specials)
+    found = torch.zeros(1)
+    for inv in (1.0, 2.0**-16, 0.37):
+        run_three(host, "non_finite_check_and_unscale_", [grads, found, torch.tensor([inv])])
+    run_three(host, "non_finite_check_", [grads, torch.zeros(1)])
+    already = torch.ones(1)  # set, never cleared
+    run_three(host, "non_finite_check_", [grads, already])
+    for check_only in (False, True):
+        for accumulate in (False, True):
+            args = [
+                grads,
+                torch.full((1,), 7.0),
+                torch.tensor([3.0**9]),
+                torch.tensor([4], dtype=torch.int32),
+            ]
+            args += [torch.full((1,), -1.0), torch.full((1,), -1, dtype=torch.int32)]
+            run_three(host, "unscale_update_scale_", args + [2.0, 0.5, 5, check_only, accumulate])
+
+
+@pytest.mark.parametrize("grad_set", list(GRAD_SETS))
+def test_scaler_pass(host, schedule: str, grad_set: str) -> None:  # noqa: ANN001
+    grads = with_specials(GRAD_SETS[grad_set](), "late" if "launch" in grad_set else "clean")
+    policies = [(2.0, 0.5, 3, -INF, INF, 1), (2.0, 0.25, 1, 2.0**15, 2.0**16, 3)]
+    for policy in policies:
+        for check_only in (False, True):
+            for accumulate in (False, True):
+                nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+                args = [grads, torch.full((1,), 9.0), state(2.0**16, 2, 2), nxt, None]
+                run_three(host, "scaler_pass_", args + [*policy, check_only, accumulate])
+
+
+def _stats_table(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.full((ops.grad_stats_rows(grads), len(ops.STAT_FIELDS)), -3.0, dtype=F64)
+
+
+@pytest.mark.parametrize("specials", ["clean", "early"])
+@pytest.mark.parametrize("grad_set", sorted(STATS_SETS))
+def test_scaler_pass_with_statistics(host, schedule: str, grad_set: str, specials: str) -> None:  # noqa: ANN001
+    if grad_set == "two-launches" and (schedule, specials) != ("grid3-inflight2", "early"):
+        pytest.skip("two-launch statistics run once (some 2,000 items of 512 fibers each)")
+    grads = with_specials(GRAD_SETS[grad_set](), specials)
+    for check_only in (False, True):
+        args = [
+            grads,
+            torch.zeros(1),
+            state(2.0**10),
+            torch.zeros(ops.STATE_SIZE, dtype=torch.int32),
+        ]
+        args += [_stats_table(grads), 2.0, 0.5, 2000, -INF, INF, 1, check_only, False]
+        out = run_three(host, "scaler_pass_", args)
+        # The table feeds clip_factor_ as the scaler's clip does.
+        table, nxt = out[4], out[3]
+        for norm_type in (2.0, INF):
+            for max_norm in (1e-3, 1e9):
+                clip = [
+                    table,
+                    nxt,
+                    torch.full((1,), -1.0),
+                    torch.full((1,), -1.0),
+                    max_norm,
+                    norm_type,
+                ]
+                run_three(host, "clip_factor_", clip)
+
+
+def test_statistics_rows_at_launch_boundaries(host) -> None:  # noqa: ANN001
+    """A three-launch pass with statistics: the rows of items 2031/2032 and 4063/4064 (the
+    launches' first_item) come from different launches."""
+    host.configure(44, 2, 4, False)
+    grads = [_values(5 + k % 3, (F32, BF16)[k % 2], k) for k in range(2 * LARGE + 10)]
+    grads[LARGE - 1][0] = INF  # the last item of launch 0
+    grads[2 * LARGE][1] = NAN  # the first item of launch 2
+    args = [grads, torch.zeros(1), state(), torch.zeros(ops.STATE_SIZE, dtype=torch.int32)]
+    run_three(
+        host, "scaler_pass_", args + [_stats_table(grads), 2.0, 0.5, 3, -INF, INF, 1, False, False]
+    )
+    assert host.counters()[0] == 3, host.counters()
+
+
+# ----------------------------------------------------------------- the launchers' hand-off
+def test_launch_counts(host) -> None:  # noqa: ANN001
+    """The plan the tests above rely on: how many launches each set takes, and that blocks ran."""
+    expected = {"empty": 1, "small-capacity": 1, "large-capacity": 1, "two-launches": 2}
+    expected["three-launches-float32"] = 3
+    for name, launches in expected.items():
+        host.configure(5, 2, 3, False)
+        grads = GRAD_SETS[name]()
+        nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+        host.scaler_pass_(
+            grads, torch.zeros(1), state(), nxt, None, 2.0, 0.5, 3, -INF, INF, 1, False, False
+        )
+        got = host.counters()
+        assert got[0] == launches, (name, got)
+        assert got[1] >= launches and got[2] >= got[1], (name, got)  # blocks ran, barriers opened
+
+
+def test_shared_workspace_is_left_zeroed(host) -> None:  # noqa: ANN001
+    """One-launch hand-off passes on one stream share a workspace that each pass's last block
+    re-zeroes: a clean pass after an overflowing one must find nothing, on every schedule."""
+    sizes = [_values(n, F32, n) for n in (3, 17, CHUNK + 1, 2 * CHUNK + 5)]
+    for seed in range(4):
+        host.configure(seed, 1 + seed % 3, 1 + seed, False)
+        for grads in (with_specials(sizes, "early"), sizes, with_specials(sizes, "late"), sizes):
+            for _ in range(2):
+                nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+                args = [grads, torch.full((1,), 5.0), state(), nxt, None]
+                run_three(
+                    host, "scaler_pass_", args + [2.0, 0.5, 3, -INF, INF, 1, True, False], ("cpu",)
+                )
+
+
+def test_scaler_update(host) -> None:  # noqa: ANN001
+    host.configure(3, 1, 1, False)
+    policies = [
+        (2.0, 0.5, 3, -INF, INF, 1),
+        (2.0, 0.5, 1, 2.0**15, 2.0**17, 2),
+        (3.0, 0.125, 2, 1.0, 1.0, 4),
+    ]
+    for found in (0.0, 1.0, 2.0, NAN):
+        for tracker in (0, 1, 2):
+            for hyst in (1, 2):
+                for scale in (2.0**16, 2.0**127, 2.0**-126):
+                    for policy in policies:
+                        nxt = torch.full((ops.STATE_SIZE,), -1, dtype=torch.int32)
+                        args = [torch.tensor([found]), state(scale, tracker, hyst), nxt, *policy]
+                        run_three(host, "scaler_update_", args)
+
+
+# ---------------------------------------------------------------------------------- clipping
+def _table(n_items: int, seed: int, non_finite: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.zeros(1 + n_items, len(ops.STAT_FIELDS), dtype=F64)
+    t[0, :3] = torch.tensor([2.0**16, 4.0, 1.0 if non_finite else 0.0])
+    t[1:, 0] = torch.rand(n_items, generator=g, dtype=F64) * torch.exp2(
+        torch.randint(-30, 30, (n_items,), generator=g)
+    )
+    t[1:, 1] = torch.rand(n_items, generator=g, dtype=F64) * 1e3
+    t[1:, 5] = torch.randint(0, 100, (n_items,), generator=g).to(F64)
+    if non_finite and n_items > 3:
+        t[3, 2] = 1.0
+        t[n_items, 4] = 2.0
+    return t
+
+
+@pytest.mark.parametrize("n_items", [0, 1, 255, 256, 257, 3000])
+def test_clip_factor(host, n_items: int) -> None:  # noqa: ANN001
+    host.configure(n_items, 1, 1, False)
+    for non_finite in (False, True):
+        table = _table(n_items, n_items, non_finite)
+        for st in (state(2.0**16), state(3.0), None):
+            for norm_type in (2.0, INF):
+                for max_norm in (0.5, 1e30):
+                    args = [
+                        table,
+                        st,
+                        torch.full((1,), -1.0),
+                        torch.full((1,), -1.0),
+                        max_norm,
+                        norm_type,
+                    ]
+                    run_three(host, "clip_factor_", args)
+
+
+# ------------------------------------------------------------------------------ unscale_into_
+INTO_SETS: dict[str, Callable[[], list[torch.Tensor]]] = {
+    "sizes": lambda: [
+        _values(n, d, n)
+        for n in (1, 5, 4099, CHUNK, CHUNK + 1, 2 * CHUNK + 3)
+        for d in (F16, BF16, F32)
+    ],
+    "small-capacity": lambda: [_values(9 + k % 4, (F16, BF16)[k % 2], k) for k in range(128)],
+    "large-capacity": lambda: [_values(9 + k % 4, F16, k) for k in range(129)],
+    "several-launches": lambda: (
+        [_values(9 + k % 4, (F16, BF16, F32)[k % 3], k) for k in range(1030)]
+        + [_values(3 * CHUNK, F16, 1)]
+    ),
+    "views": lambda: [
+        _values(CHUNK + 9, F16, 3)[1:],
+        _values(2 * CHUNK, BF16, 4)[5:-5],
+        _values(0, F32, 0),
+    ],
+}
+
+
+@pytest.mark.parametrize("specials", ["clean", "early"])
+@pytest.mark.parametrize("into_set", list(INTO_SETS))
+def test_unscale_into(host, schedule: str, into_set: str, specials: str) -> None:  # noqa: ANN001
+    grads = with_specials(INTO_SETS[into_set](), specials)
+    for inv in (1.0, 2.0**-13):
+        out = [torch.full(g.shape, -7.0) for g in grads]
+        run_three(host, "unscale_into_", [grads, out, torch.zeros(1), torch.tensor([inv])])
+
+
+# ----------------------------------------------------------------------- every kernel, executed
+def _kernel_names() -> set[str]:
+    ns = "ampfused::cuda::{anonymous}::"
+    names = {f"{ns}clip_factor_kernel"} | {f"{ns}unscale_into_kernel<{c}>" for c in (128, 1024)}
+    for check_only in ("true", "false"):
+        for float_only in ("true", "false"):
+            for stats in ("true", "false"):
+                for cap in (SMALL, LARGE):
+                    names.add(f"{ns}unscale_kernel<{check_only}, {float_only}, {stats}, {cap}>")
+    return names
+
+
+def test_every_kernel_of_csrc_cuda_is_executed(host) -> None:  # noqa: ANN001
+    """Each instantiation of each __global__ function of csrc/cuda/ (19) runs on the host layer,
+    held to the CPU kernels: the 16 unscale_kernel variants (check-only or writing, float32-only
+    or mixed, with or without statistics, small or large launch), clip_factor_kernel and both
+    unscale_into_kernel capacities."""
+    host.configure(7, 2, 3, False)
+    for dtypes in ((F32,), (F32, F16)):  # the float-only kernel, the mixed one
+        for n in (SMALL - 4, SMALL - 3):  # 256 items: the small launch; 257: the large one
+            grads = _many(n, dtypes, n)
+            for check_only in (False, True):
+                for table in (None, _stats_table(grads)):
+                    args = [
+                        grads,
+                        torch.zeros(1),
+                        state(),
+                        torch.zeros(ops.STATE_SIZE, dtype=torch.int32),
+                    ]
+                    args += [table, 2.0, 0.5, 3, -INF, INF, 1, check_only, False]
+                    out = run_three(host, "scaler_pass_", args, ("cpu",))
+    clip = [out[4], out[3], torch.zeros(1), torch.zeros(1), 1.0, 2.0]
+    run_three(host, "clip_factor_", clip)
+    for n in (128, 129):
+        grads = [_values(5, F16, k) for k in range(n)]
+        run_three(
+            host,
+            "unscale_into_",
+            [grads, [torch.zeros(5) for _ in grads], torch.zeros(1), torch.ones(1)],
+        )
+    launched = {line.rsplit(" ", 1)[0] for line in host.kernels_launched()}
+    assert launched >= _kernel_names(), sorted(_kernel_names() - launched)
+    assert len(_kernel_names()) == 19
+
+
+# ----------------------------------------------------------------------------- the GPU day
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the check itself on a GPU machine")
+def test_ci_gpu_stops_at_once_without_a_gpu() -> None:
+    """.ci/gpu on a machine without a GPU: exit 2 and a message that says where to run it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        ["bash", str(root / ".ci" / "gpu"), sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "no CUDA GPU visible" in r.stderr and "only on a GPU machine" in r.stderr
+    assert not (root / "benchmarks" / "results" / "cuda").exists()

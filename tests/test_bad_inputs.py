@@ -22,20 +22,23 @@ training then goes on exactly as if the call had not been made, and it must rais
 call itself (an exception of the type torch raises for it, there or later).  Each reason is a
 bullet of the README's "Deliberate differences".
 
-Probes run in batches in forked children; a child that dies (segfault, abort) or hangs is
-retried one probe per child, so the probe that crashed fails with the signal's name and the
-others still report.
+Probes run in batches in child processes (started by a fork server, not forked from the test
+process: START_METHOD); a child that dies (segfault, abort) or hangs is retried one probe per
+child, so the probe that crashed fails with the signal's name and the others still report.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import multiprocessing
 import pickle
 import re
 import resource
 import signal
+import subprocess
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -1036,7 +1039,7 @@ def _run_probe(name: str, ours: type) -> dict[str, list]:
 
 def _child(conn, names: list[str], ours: type) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core file behind
-    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork()
+    torch.set_num_threads(1)  # tiny probes; pytest -n runs many workers, each with children
     warnings.simplefilter("ignore")
     out: dict[str, Any] = {}
     for name in names:
@@ -1048,9 +1051,31 @@ def _child(conn, names: list[str], ours: type) -> None:
     conn.close()
 
 
+# How the children start: from a fork server, a fresh interpreter that has imported
+# CHILD_PRELOAD and run nothing, never by fork() of this process.  A forked child inherits the
+# parent's autograd state: once a process has run a backward (this module's probes, any earlier
+# test of the pytest worker) on a machine with a GPU, autograd's per-device threads exist and
+# torch refuses autograd in every fork()ed child ("Unable to handle autograd's threading in
+# combination with fork-based multiprocessing"), so every probe's first backward raised on the
+# GPU machine.  Without a GPU the threads never start; a process with another device reproduces
+# it on the CPU (test_probes_run_after_autograd_threads_started).
+START_METHOD = "forkserver"
+# What the children need, imported once by the server (torch._dynamo, ~1 s, is what the first
+# optimizer step imports; each child still imports this module, ~0.1 s).  Only modules that
+# leave CUDA uninitialised at import (a child of a process that initialised it cannot use it):
+# not this module, which asks torch.cuda.is_available().
+CHILD_PRELOAD = ["torch", "torch._dynamo", "ampfused", "numpy", "pytest"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context(START_METHOD)
+    ctx.set_forkserver_preload(CHILD_PRELOAD)  # read when this process starts its server
+    return ctx
+
+
 def _run_batch(names: list[str], ours: type, timeout: float) -> dict[str, Any] | str:
     """The batch's results, or why the child gave none ("signal SIGSEGV", "timeout", ...)."""
-    ctx = multiprocessing.get_context("fork")
+    ctx = _context()
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(send, names, ours), daemon=True)
     proc.start()
@@ -1074,24 +1099,23 @@ def _run_batch(names: list[str], ours: type, timeout: float) -> dict[str, Any] |
     return f"child exited with code {code} without a result"
 
 
-_WARM: list[bool] = []
+_SERVER_READY: list[bool] = []
 
 
-def _warm_up() -> None:
-    """One training loop in this process first: the first optimizer step imports and sets up
-    much of torch (~2 s), which the forked children then inherit instead of repeating."""
-    if not _WARM:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _run_probe("ctor: init_scale=int", OurScaler)
-        _WARM.append(True)
+def _start_server() -> None:
+    """An empty batch first: the fork server's start (its imports, seconds) is not counted in
+    a batch's timeout (2 s for the hang)."""
+    if not _SERVER_READY:
+        got = _run_batch([], OurScaler, BATCH_TIMEOUT_S)
+        assert got == {}, f"the probe children do not start: {got}"
+        _SERVER_READY.append(True)
 
 
 def run_probes(
     names: list[str], ours: type = OurScaler, timeout: float = BATCH_TIMEOUT_S
 ) -> dict[str, Any]:
     """Results per probe name; a probe whose child crashed or hung maps to the reason (str)."""
-    _warm_up()
+    _start_server()
     results: dict[str, Any] = {}
     for start in range(0, len(names), BATCH):
         chunk = names[start : start + BATCH]
@@ -1305,6 +1329,62 @@ BROKEN: dict[str, tuple[str, type, str]] = {
     "a crash": ("grads: complex64 beside float32", _Aborts, "crashed with signal SIGABRT"),
     "a hang": ("ctor: init_scale=int", _Hangs, "hung"),
 }
+
+
+# A process where autograd's per-device threads have started, as in a pytest worker on a GPU
+# machine: a device beside the CPU (torch's Python PrivateUse1 backend with its dummy guard, one
+# device) and a backward.  Checks that this reproduces the failure (a fork()ed child's backward
+# raises), then runs probes through the harness; prints what went wrong, as JSON.
+_AFTER_AUTOGRAD_THREADS = """
+import json, os, sys, warnings
+import torch
+
+torch.utils.backend_registration._setup_privateuseone_for_python_backend()
+torch.ones(2, requires_grad=True).sum().backward()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # fork() of a multi-threaded process (Python >= 3.12)
+    pid = os.fork()
+if pid == 0:
+    try:
+        torch.ones(2, requires_grad=True).sum().backward()
+        os._exit(0)
+    except RuntimeError as e:
+        os._exit(3 if "fork-based multiprocessing" in str(e) else 4)
+forked_backward = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+sys.path.insert(0, sys.argv[1])
+import test_bad_inputs as t
+
+names = sys.argv[2:]
+results = t.run_probes(names)
+print(json.dumps({
+    "forked_backward": forked_backward,
+    "problems": [p for n in names for p in t.check(n, results[n])],
+    # torch, ampfused and clean runs failing alike would match: the refusal itself, anywhere
+    "refused": [n for n in names if "fork-based multiprocessing" in repr(results[n])],
+}))
+"""
+
+
+def test_probes_run_after_autograd_threads_started():
+    """The harness's children run autograd even where the test process has autograd's
+    per-device threads running: the GPU machine's failure ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing" in every probe, when the children
+    were fork()ed), reproduced on the CPU."""
+    if not hasattr(torch.utils.backend_registration, "_setup_privateuseone_for_python_backend"):
+        pytest.skip("this torch has no Python PrivateUse1 backend to start autograd's threads")
+    assert START_METHOD != "fork"
+    names = ["ctor: init_scale=int", "misuse: step() twice"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _AFTER_AUTOGRAD_THREADS, str(Path(__file__).parent), *names],
+        capture_output=True,
+        text=True,
+        timeout=2 * BATCH_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["forked_backward"] == 3, "the process does not reproduce the failure: " + str(got)
+    assert got["refused"] == [] and got["problems"] == [], got
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

@@ -8,7 +8,8 @@ bad inputs, each named.
 Scaler level: three copies of one parameter set train side by side, each with its own scaler:
 
 - ``torch``: ``torch.amp.GradScaler`` + ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``, the
-  pair ``clip_grad_norm_`` replaces;
+  pair ``clip_grad_norm_`` replaces (on CUDA, where torch has no bfloat16 unscale kernel, its
+  bfloat16 gradients are unscaled by torch's float32 kernel on copies: ``TorchScaler``);
 - ``exact``: the same, but clipped by ``torch.nn.utils.clip_grads_with_norm_`` with the total
   of ``ampfused.reference`` (our fixed-order total; torch's own clip formula and multiply);
 - ``fused``: ``ampfused.GradScaler`` + ``scaler.clip_grad_norm_``.
@@ -28,6 +29,8 @@ with the reference and the CPU kernel.
 from __future__ import annotations
 
 import math
+import sys
+import unittest.mock
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -161,14 +164,38 @@ def test_op_matches_reference(device, n_rows, norm_type, scale, max_norm):
         assert float(total) == float(_f32(float(table[1:, ABS_MAX].max()) if n_rows else 0.0))
 
 
+def _sequential_sum(values: list[float]) -> float:
+    """Left to right, one float64 rounding per addition."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def _pairwise_sum(values: list[float]) -> float:
+    """Halves summed recursively, then added: one float64 rounding per addition."""
+    if len(values) <= 1:
+        return values[0] if values else 0.0
+    half = len(values) // 2
+    return _pairwise_sum(values[:half]) + _pairwise_sum(values[half:])
+
+
 def test_reference_order_is_not_a_plain_sum():
-    """The float64 totals of these tables tell the lane order from a sequential or pairwise sum
-    (test_report_total_in_the_clip_order compares those bits; the op's float32 total hides most
-    such differences, test_op_order_shows_in_the_float32_total makes one visible)."""
-    rows = _table(3000, 3000, "cpu")[1:]
+    """The float64 total of the 3,000-row table of test_report_total_in_the_clip_order tells the
+    lane order from a sequential or pairwise sum (that test compares those bits; the op's float32
+    total hides most such differences, test_op_order_shows_in_the_float32_total makes one
+    visible).
+
+    Both orders are spelled out here: Python's sum() is no plain sum from Python 3.12 on
+    (compensated: it equals the lane total of this table, which is correctly rounded), and the
+    order of torch's Tensor.sum() is torch's to choose (vector width, version).  The data comes
+    from a seeded CPU generator and the sums are IEEE float64 additions in Python, so the result
+    is the same on every machine."""
+    rows = _table(3000, 3001, "cpu")[1:]
+    values = rows[:, SUM_SQ].tolist()
     lanes = reference.stat_total(rows)[0]
-    assert lanes != sum(rows[:, SUM_SQ].tolist())
-    assert lanes != float(rows[:, SUM_SQ].sum())
+    assert lanes != _sequential_sum(values)
+    assert lanes != _pairwise_sum(values)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
@@ -375,7 +402,8 @@ def test_op_argument_on_cpu_table_on_cuda(arg):
 def test_op_cuda_equals_cpu():
     for n_rows in (1, 257, 3000):
         table = _table(n_rows, 11, "cpu")
-        table[7, NAN_COUNT] = 1.0 if n_rows > 7 else 0.0
+        if n_rows > 7:  # a NaN counted in item row 7 (the 1-row table has none: all finite)
+            table[7, NAN_COUNT] = 1.0
         for norm_type in (2.0, INF):
             cpu = _clip_op(table, _state(1000.0, "cpu"), 0.3, norm_type)
             cuda = _clip_op(table.cuda(), _state(1000.0, "cuda"), 0.3, norm_type)
@@ -386,8 +414,115 @@ def test_op_cuda_equals_cpu():
 # =============================================================================================
 # 2. GradScaler.clip_grad_norm_ against unscale_ + torch.nn.utils.clip_grad_norm_
 
-TorchScaler = torch.amp.GradScaler
+
+def _unscale_through_float32_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, kernel: Callable
+) -> None:
+    """``kernel`` (torch's check-and-unscale) for gradients of a dtype it has no kernel for on
+    their device: run on float32 copies (widening is exact, inf and NaN included, so found_inf
+    is set as it would be), each result rounded back to the gradient's dtype (to nearest even).
+    For bfloat16 that is torch's per-element definition, v * inv_scale in float32 opmath
+    stored as bfloat16 (its CPU kernel; test_oracle_bf16_unscale_is_torchs_cpu_kernel)."""
+    wide = [g.float() for g in grads]
+    kernel(wide, found_inf, inv_scale)
+    for g, w in zip(grads, wide, strict=True):
+        g.copy_(w)
+
+
+def _torch_lacks_unscale_kernel(grad: torch.Tensor) -> bool:
+    """torch._amp_foreach_non_finite_check_and_unscale_ has no bfloat16 kernel on CUDA
+    (NotImplementedError); its CPU kernel has one."""
+    return grad.is_cuda and grad.dtype == BF16
+
+
+class TorchScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler, the oracle, with the kernel torch lacks supplied: gradients of a
+    (device, dtype) torch has no unscale kernel for are unscaled through float32 copies
+    (_unscale_through_float32_); every other group, and everything else of the scaler (grouping,
+    found_inf per device, skip and update), is torch's own."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        torch_kernel = torch._amp_foreach_non_finite_check_and_unscale_
+
+        def kernel(grads, found, inv):  # called once per (device, dtype) group
+            if grads and _torch_lacks_unscale_kernel(grads[0]):
+                _unscale_through_float32_(grads, found, inv, torch_kernel)
+            else:
+                torch_kernel(grads, found, inv)
+
+        with unittest.mock.patch.object(
+            torch, "_amp_foreach_non_finite_check_and_unscale_", kernel
+        ):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
 FusedScaler = ampfused.GradScaler
+
+
+def clip_grads_with_norm_(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """torch.nn.utils.clip_grads_with_norm_ with the multiply of torch's CPU kernels on every
+    device: each element times the float32 coefficient in float32, rounded once to the
+    gradient's dtype, as ampfused's clip multiplies (README, deliberate differences).  On CUDA,
+    torch's mixed-dtype _foreach_mul_ loads the 0-dim float32 coefficient as bfloat16 (float16)
+    for such gradients first, a second rounding (seen on an H100: bfloat16 parameters off in the
+    third significant digit after one AdamW step)."""
+    real = torch._foreach_mul_
+
+    def mul_(tensors, other):  # noqa: ANN001, ANN202
+        low = tensors and tensors[0].is_cuda and tensors[0].dtype in (torch.float16, BF16)
+        if low and torch.is_tensor(other):
+            for t in tensors:
+                t.copy_(t.float() * other)
+        else:
+            real(tensors, other)
+
+    with unittest.mock.patch.object(torch, "_foreach_mul_", mul_):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+def test_oracle_bf16_unscale_is_torchs_cpu_kernel():
+    """Where torch has a bfloat16 unscale kernel (the CPU), the oracle's CUDA stand-in equals it
+    bit for bit, found_inf included: every bfloat16 bit pattern (subnormals, -0.0, infs, NaNs),
+    finite ones alone and with the rest, by an inv_scale of 1 (passed through), a power of two
+    (exact, down into the subnormals), float32(1 / 1000) (rounded) and 2**20 (overflows)."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(BF16)
+    finite = every[every.isfinite()]
+    for inv in (1.0, 2.0**-14, float(_f32(1 / 1000)), 2.0**20):
+        for values in (finite, every):
+            theirs = [values.clone(), values[:7].clone()]
+            ours = [t.clone() for t in theirs]
+            found_theirs, found_ours = torch.zeros(()), torch.zeros(())
+            inv_scale = _f32(inv)
+            torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_theirs, inv_scale)
+            _unscale_through_float32_(
+                ours, found_ours, inv_scale, torch._amp_foreach_non_finite_check_and_unscale_
+            )
+            for k, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                _same(a, b, f"inv {inv}: tensor {k}")
+            _same(found_ours, found_theirs, f"inv {inv}: found_inf")
+            assert float(found_ours) == (0.0 if values is finite else 1.0)
+
+
+@pytest.mark.parametrize("mix", ["bf16", "mixed"])
+def test_oracle_scaler_is_torchs_where_it_stands_in(monkeypatch, mix):
+    """The oracle scaler, its stand-in used for every bfloat16 group as on CUDA, trains exactly
+    as torch's own scaler on the CPU: clean, inf and NaN iterations (the inf and NaN in a
+    bfloat16 gradient with "bf16", in a float32 one with "mixed"), two groups."""
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "_torch_lacks_unscale_kernel", lambda g: g.dtype == BF16)
+    plain = torch.amp.GradScaler("cpu", **SCALER_KW)
+    runs = {
+        "torch": _build("torch", plain, "cpu", "adamw", mix),
+        "oracle": _build("oracle", TorchScaler("cpu", **SCALER_KW), "cpu", "adamw", mix),
+    }
+    for i, inject in enumerate(INJECT):
+        _set_grads(runs, i, inject)
+        for run in runs.values():
+            run.scaler.unscale_(run.opt)
+        _assert_runs_equal(runs["torch"], runs["oracle"], f"iteration {i}: unscaled")
+        _step_all(runs)
+        _assert_runs_equal(runs["torch"], runs["oracle"], f"iteration {i}: stepped")
+
 
 # The parameters of a parity run: two groups, a parameter whose gradient stays None, zero-size
 # gradients (test_gradients_of_several_items has gradients of several table rows).
@@ -510,7 +645,7 @@ def _clip_all(
             run.scaler.unscale_(run.opt)
         if name == "exact" and expected is not None:
             total = expected[0].to(run.params[0].device)
-            torch.nn.utils.clip_grads_with_norm_(run.params, max_norm, total)
+            clip_grads_with_norm_(run.params, max_norm, total)
         else:
             total = torch.nn.utils.clip_grad_norm_(run.params, max_norm, norm_type, **kw)
         totals[name] = total
@@ -732,8 +867,8 @@ def test_bf16_guard_without_scaling(device):
             for k, p in enumerate(run.params):
                 _same(p, before[f"param {k}"], f"iteration {i}: param {k}")
         else:
-            # a plain loop clipping by the same total (torch's formula and multiply)
-            torch.nn.utils.clip_grads_with_norm_(plain.params, 0.5, total)
+            # a plain loop clipping by the same total (torch's formula, its CPU multiply)
+            clip_grads_with_norm_(plain.params, 0.5, total)
             plain.opt.step()
             for k, (p, q) in enumerate(zip(run.params, plain.params, strict=True)):
                 _same(p, q, f"iteration {i}: param {k}")

@@ -192,27 +192,34 @@ STATS_SETS = {"float32-sizes", "bfloat16-sizes", "mixed-views", "empty", "two-la
 
 
 def with_specials(grads: list[torch.Tensor], pattern: str) -> list[torch.Tensor]:
-    """inf/-inf/NaN placed at the first, last, a middle and a chunk-boundary element of some
-    gradients, as `pattern` says ("clean": none)."""
+    """Copies of `grads` with inf/-inf/NaN placed as `pattern` says: "clean", none; "early" and
+    "late", at the first, last, middle and chunk-boundary elements of every third gradient;
+    "single", one NaN in the whole list, at an element no block's thread 0 visits (so a block
+    that forgets to combine its threads' flags misses it)."""
     grads = [copy_of(g) for g in grads]
     if pattern == "clean":
+        return grads
+    if pattern == "single":
+        big = max(range(len(grads)), key=lambda k: grads[k].numel(), default=None)
+        if big is not None and grads[big].numel() > 1:
+            g = grads[big]
+            i = g.numel() * 2 // 3 + 1
+            if g.numel() > 3 * 4 * 512:  # past the first vectors of a thread 0
+                i = (i // 2048) * 2048 + 700 if (i // 2048) * 2048 + 700 < g.numel() else i
+            g[tuple(torch.unravel_index(torch.tensor(i), g.shape))] = NAN
         return grads
     for k, g in enumerate(grads):
         if g.numel() == 0 or k % 3 != (0 if pattern == "early" else 2):
             continue
         idx = [0, g.numel() - 1, g.numel() // 2, min(CHUNK, g.numel() - 1)]
         vals = [INF, -INF, NAN, INF] if pattern == "early" else [NAN, INF, -INF, NAN]
-        view = g.reshape(-1) if g.is_contiguous() else None
         for i, v in zip(idx, vals, strict=True):
-            if view is not None:
-                view[i] = v
-            else:
-                g[tuple(torch.unravel_index(torch.tensor(i), g.shape))] = v
+            g[tuple(torch.unravel_index(torch.tensor(i), g.shape))] = v
     return grads
 
 
 # ------------------------------------------------------------------------- the unscale family
-@pytest.mark.parametrize("specials", ["clean", "early", "late"])
+@pytest.mark.parametrize("specials", ["clean", "early", "single"])
 @pytest.mark.parametrize("grad_set", list(GRAD_SETS))
 def test_unscale_family(host, schedule: str, grad_set: str, specials: str) -> None:  # noqa: ANN001
     grads = with_specials(GRAD_SETS[grad_set](), specials)
@@ -250,10 +257,10 @@ def _stats_table(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.full((ops.grad_stats_rows(grads), len(ops.STAT_FIELDS)), -3.0, dtype=F64)
 
 
-@pytest.mark.parametrize("specials", ["clean", "early"])
+@pytest.mark.parametrize("specials", ["clean", "single"])
 @pytest.mark.parametrize("grad_set", sorted(STATS_SETS))
 def test_scaler_pass_with_statistics(host, schedule: str, grad_set: str, specials: str) -> None:  # noqa: ANN001
-    if grad_set == "two-launches" and (schedule, specials) != ("grid3-inflight2", "early"):
+    if grad_set == "two-launches" and (schedule, specials) != ("grid3-inflight2", "single"):
         pytest.skip("two-launch statistics run once (some 2,000 items of 512 fibers each)")
     grads = with_specials(GRAD_SETS[grad_set](), specials)
     for check_only in (False, True):
@@ -399,13 +406,43 @@ INTO_SETS: dict[str, Callable[[], list[torch.Tensor]]] = {
 }
 
 
-@pytest.mark.parametrize("specials", ["clean", "early"])
+@pytest.mark.parametrize("specials", ["clean", "early", "single"])
 @pytest.mark.parametrize("into_set", list(INTO_SETS))
 def test_unscale_into(host, schedule: str, into_set: str, specials: str) -> None:  # noqa: ANN001
     grads = with_specials(INTO_SETS[into_set](), specials)
     for inv in (1.0, 2.0**-13):
         out = [torch.full(g.shape, -7.0) for g in grads]
         run_three(host, "unscale_into_", [grads, out, torch.zeros(1), torch.tensor([inv])])
+
+
+# ------------------------------------------------------------------ the layer's own semantics
+def test_layer_shuffles_as_cuda_does(host) -> None:  # noqa: ANN001
+    host.configure(0, 1, 1, False)
+    out = torch.tensor(host.selftest("shuffle")).view(-1, 4)[:64]
+    t = torch.arange(64)
+    assert torch.equal(out[:, 0], 1000 + (t ^ 1))
+    assert torch.equal(out[:, 1], 1000 + (t ^ 16))
+    # width 4: a lane whose source lies in a later group of 4 reads its own value (CUDA's rule)
+    assert torch.equal(out[:, 2], torch.where(t & 4 == 0, 1000 + t, 1000 + (t ^ 4)))
+    warp_sums = (1000 + t).view(2, 32).sum(1).repeat_interleave(32)
+    assert torch.equal(out[:, 3], warp_sums)
+
+
+def test_layer_exposes_a_missing_barrier(host) -> None:  # noqa: ANN001
+    """Reads of another warp's shared memory without a barrier see stale values under every
+    seed's schedules; with the barrier, never."""
+    for seed in range(5):
+        host.configure(seed, 1, 1, False)
+        assert host.selftest("neighbour")[0] > 0, seed
+        assert host.selftest("neighbour_with_barrier")[0] == 0, seed
+
+
+def test_layer_reports_divergent_barriers_and_deadlocks(host) -> None:  # noqa: ANN001
+    host.configure(0, 1, 1, False)
+    with pytest.raises(RuntimeError, match="different barriers"):
+        host.selftest("divergent")
+    with pytest.raises(RuntimeError, match="deadlock"):
+        host.selftest("half_warp")
 
 
 # ----------------------------------------------------------------------- every kernel, executed

@@ -124,8 +124,9 @@ def unscale_family(kind: str, specials: bool, check_only: bool, stats: bool):  #
             found = torch.full((1,), 0.0, device=dev)
             st, nxt = state(device=dev), torch.zeros(ops.STATE_SIZE, dtype=torch.int32, device=dev)
             table = (
-                torch.full((ops.grad_stats_rows(gs), len(ops.STAT_FIELDS)), -7.0, dtype=F64,
-                           device=dev)
+                torch.full(
+                    (ops.grad_stats_rows(gs), len(ops.STAT_FIELDS)), -7.0, dtype=F64, device=dev
+                )
                 if stats
                 else None
             )
@@ -203,8 +204,10 @@ def main() -> int:
         for specials in (False, True):
             for check_only in (False, True):
                 for stats in (False, True):
-                    name = f"scaler_pass_ {kind} specials={specials} check_only={check_only} " \
+                    name = (
+                        f"scaler_pass_ {kind} specials={specials} check_only={check_only} "
                         f"stats={stats}"
+                    )
                     run(name, unscale_family(kind, specials, check_only, stats))
     run("unscale_into_", unscale_into)
     run("scaler_update_", scaler_update)

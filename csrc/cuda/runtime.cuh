@@ -63,6 +63,13 @@ int64_t resident_blocks(int device, int block) {
   return blocks;
 }
 
+// `p` as a pointer to `count` vectors V (16-byte loads and stores): a GPU faults with
+// "misaligned address" where one is accessed and p is not aligned to V; the host layer raises.
+template <typename V, typename T>
+__device__ __forceinline__ V* vectors(T* p, int /*count*/) {
+  return reinterpret_cast<V*>(p);
+}
+
 // kKernel<<<grid, block, 0, stream>>>(args...), then the launch's error check.
 template <auto kKernel, typename... Args>
 void launch(unsigned grid, unsigned block, Stream stream, const Args&... args) {

@@ -42,7 +42,7 @@ __device__ bool process_chunk(T* p, int n, opmath_t<T> inv, bool inv_is_one) {
 
   for (int i = tid; i < head; i += kStride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
 
-  V* vp = reinterpret_cast<V*>(p + head);
+  V* vp = rt::vectors<V>(p + head, nvec);
   for (int base = tid; base < nvec; base += kStride * kUnroll) {
     V r[kUnroll];
 #pragma unroll
@@ -84,7 +84,7 @@ __device__ bool process_chunk_stats(T* p, int n, opmath_t<T> inv, bool inv_is_on
   StatCounts<M> c;
   const int nfull = n / kVec;
   if (reinterpret_cast<uintptr_t>(p) % kVecBytes == 0) {
-    V* vp = reinterpret_cast<V*>(p);
+    V* vp = rt::vectors<V>(p, nfull);
     // Increasing u is increasing i for this thread: each lane still adds in element order.
     for (int base = tid; base < nfull; base += kBlockSize * kUnroll) {
       V r[kUnroll];

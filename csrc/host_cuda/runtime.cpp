@@ -386,6 +386,7 @@ void BlockRun::run() {
         this_fiber = &fibers_[i];
         switch_context(&scheduler_, &fibers_[i].ctx);
         this_fiber = nullptr;
+        if (error_) break;  // a thread raised: its block stops there, as a faulting one does
         arrived(i);
         continue;
       }
@@ -411,8 +412,8 @@ void BlockRun::run() {
   }
   this_block = outer_block;
   this_fiber = outer_fiber;
+  if (error_) std::rethrow_exception(error_);  // the other fibers' stacks are abandoned
   stack_pool.give(stacks);
-  if (error_) std::rethrow_exception(error_);
 }
 
 Fiber& current_fiber(const char* what) {
@@ -426,6 +427,13 @@ const Dim3& thread_idx() { return current_fiber("threadIdx").tid; }
 const Dim3& block_idx() { return (current_fiber("blockIdx"), this_block->block_idx_); }
 const Dim3& block_dim() { return (current_fiber("blockDim"), this_block->block_dim_); }
 const Dim3& grid_dim() { return (current_fiber("gridDim"), this_block->grid_dim_); }
+
+void check_aligned(const void* p, size_t alignment) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  TORCH_CHECK(address % alignment == 0, "host CUDA layer: a ", alignment,
+              "-byte vector access at an address ", address % alignment,
+              " bytes past alignment (a GPU faults here: misaligned address)");
+}
 
 void syncthreads(const char* site) { (void)syncthreads_or(0, site); }
 

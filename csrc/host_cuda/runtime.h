@@ -70,6 +70,9 @@ int syncthreads_or(int predicate, const char* site);
 // The 8 bytes of `value` exchanged as __shfl_xor_sync(mask, value, lane_mask, width) does.
 uint64_t shfl_xor(unsigned mask, uint64_t value, int lane_mask, int width, const char* site);
 
+// Raises (as a GPU faults) unless p is a multiple of `alignment`.
+void check_aligned(const void* p, size_t alignment);
+
 // Runs body() as every thread of every block of a <<<grid, block>>> launch of `kernel` (a name
 // that identifies the kernel's instantiation, for kernels_launched()).
 void launch(const char* kernel, unsigned grid, unsigned block, const std::function<void()>& body);
@@ -165,6 +168,13 @@ inline Stream current_stream(int) {
 }
 
 inline bool capturing() { return hostcuda::config().capturing; }
+
+// As a GPU faults on a misaligned vector access ("misaligned address"), the layer raises.
+template <typename V, typename T>
+V* vectors(T* p, int count) {
+  if (count > 0) hostcuda::check_aligned(p, alignof(V));
+  return reinterpret_cast<V*>(p);
+}
 
 template <auto kKernel>
 int64_t resident_blocks(int, int) {

@@ -498,8 +498,9 @@ void launch(const char* kernel, unsigned grid, unsigned block, const std::functi
                    mix(seed + order[k] + 1));
         b.run();
       } catch (const std::exception& e) {
+        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
         std::lock_guard<std::mutex> lock(error_mu);
-        if (error.empty()) error = e.what();
+        if (error.empty()) error = c10_error ? c10_error->what_without_backtrace() : e.what();
         next.store(grid);  // stop handing out blocks
         return;
       }

@@ -35,17 +35,21 @@ def same(name: str, got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bit equality, where a NaN matches any NaN: a GPU's arithmetic returns the canonical NaN
     (0x7fffffff) where x86 keeps the input's payload and sign (seen on an H100: every NaN that
     a kernel multiplied differed from the CPU kernel's in its bits)."""
+    got = got.detach().cpu()
+    if got.shape != want.shape:
+        FAILURES.append(f"{name}: shape {tuple(got.shape)} on cuda, {tuple(want.shape)} on cpu")
+        return False
     a, b = bits(got).flatten(), bits(want).flatten()
     if got.is_floating_point():
-        both = (got.detach().cpu().isnan() & want.isnan()).flatten()
+        both = (got.isnan() & want.isnan()).flatten()
         a, b = a.masked_fill(both, 0), b.masked_fill(both, 0)
-    if a.shape == b.shape and torch.equal(a, b):
+    if torch.equal(a, b):
         return True
-    bad = (a != b).nonzero().flatten()[:5].tolist() if a.shape == b.shape else "shape"
+    at = (a != b).nonzero().flatten()[:5].tolist()
+    g, w = got.flatten(), want.flatten()
     FAILURES.append(
-        f"{name}: differs at {bad} (cuda {got.flatten()[:0].dtype}): "
-        f"cuda={[got.flatten()[i].item() for i in bad] if bad != 'shape' else got.shape} "
-        f"cpu={[want.flatten()[i].item() for i in bad] if bad != 'shape' else want.shape}"
+        f"{name}: {got.dtype} differs at {at}: cuda={[g[i].item() for i in at]} "
+        f"cpu={[w[i].item() for i in at]}"
     )
     return False
 

@@ -2,24 +2,27 @@
 
 ``ampfused.GradScaler`` is a drop-in replacement for ``torch.amp.GradScaler``; the ops behind it
 are registered as ``torch.ops.ampfused.*`` and wrapped in :mod:`ampfused.ops`;
-:mod:`ampfused.reference` is their pure-PyTorch specification.
+:mod:`ampfused.reference` is their pure-PyTorch specification.  The compiled kernels come from
+the installed build or one compiled at first import (:mod:`ampfused._extension`); where none can
+be had, ``GradScaler`` is torch's own scaler (:mod:`ampfused._no_kernels`) and ``KERNELS`` is
+False.  ``python -m ampfused`` (or :func:`info`) says which.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-try:
-    from ampfused import _C  # noqa: F401  (registers torch.ops.ampfused.*)
-except ImportError as e:  # pragma: no cover - exercised by hand
-    raise ImportError(
-        f"ampfused's compiled extension failed to import ({e}). It must be built against the "
-        f"torch you are running (torch {torch.__version__}): reinstall with "
-        "`pip install --no-build-isolation .` from the ampfused checkout (or run `make test`), "
-        "in the environment where this torch is installed."
-    ) from e
+from ampfused import _extension
+from ampfused._extension import KernelsUnavailableError, KernelsUnavailableWarning
 
-from ampfused import ops, reference  # noqa: E402
-from ampfused.grad_scaler import GradScaler, OptState  # noqa: E402
-from ampfused.master_weights import MasterWeights  # noqa: E402
+_C = _extension.load()  # registers torch.ops.ampfused.*, or stands in for them
+KERNELS: bool = _extension.STATUS.available
+
+if KERNELS:
+    from ampfused import ops, reference  # noqa: F401  (in __all__ below)
+    from ampfused.grad_scaler import GradScaler, OptState
+    from ampfused.master_weights import MasterWeights
+else:
+    from ampfused import reference
+    from ampfused._no_kernels import GradScaler, MasterWeights, OptState
 
 __version__ = "0.1.0"
 WITH_CUDA: bool = bool(_C.with_cuda)
@@ -29,17 +32,31 @@ __all__ = [
     "MasterWeights",
     "ShardedGradScaler",
     "OptState",
-    "ops",
     "reference",
+    "info",
+    "KERNELS",
+    "KernelsUnavailableError",
+    "KernelsUnavailableWarning",
     "WITH_CUDA",
     "__version__",
-]
+] + (["ops"] if KERNELS else [])
+
+
+def info() -> _extension.BuildInfo:
+    """Where this process's kernels come from, what they were built for, and the build cache;
+    ``print(ampfused.info())`` (or ``python -m ampfused``) for a bug report."""
+    return _extension.info(__version__, WITH_CUDA)
 
 
 def __getattr__(name: str):  # noqa: ANN202
     # ShardedGradScaler imports torch's FSDP1 package: loaded on first use only.
     if name == "ShardedGradScaler":
-        from ampfused.sharded_grad_scaler import ShardedGradScaler
+        if not KERNELS:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        else:
+            from ampfused.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler
+    if name == "ops":  # only without the kernels; imported above otherwise
+        raise _extension.unavailable("ampfused.ops")
     raise AttributeError(f"module 'ampfused' has no attribute {name!r}")

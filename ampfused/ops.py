@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
-from ampfused import _C
+from ampfused import _C, _extension
+
+_extension.require("ampfused.ops")  # the ops below are the compiled kernels'
 
 __all__ = [
     "non_finite_check_and_unscale_",

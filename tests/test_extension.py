@@ -1,0 +1,333 @@
+"""How ``import ampfused`` gets its kernels, and what it does without them (ampfused/_extension.py,
+ampfused/_no_kernels.py).
+
+Each scenario runs in a child interpreter over a copy of the package (``python -S``, so the
+editable install of this tree cannot supply ``ampfused._C``), with the compiler hidden where the
+scenario says so.  The end-to-end builds (``pip install .`` compiling at first import, two
+processes at once, a cache hit with no tools) are .ci/install-forms, which CI runs; here the
+build cache's protocol is driven with a stand-in for the compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+
+import ampfused
+from ampfused import _build_config, _extension, _no_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = sysconfig.get_paths()["purelib"]
+
+
+def package_copy(tmp_path, with_installed_build: bool) -> str:
+    """tmp_path/pkg holding ampfused/ (Python files, and the installed _C if asked) and csrc/."""
+    dest = tmp_path / "pkg"
+    shutil.copytree(
+        os.path.join(ROOT, "ampfused"),
+        dest / "ampfused",
+        ignore=shutil.ignore_patterns("__pycache__", "_C*.so", "_C.build.json"),
+    )
+    shutil.copytree(os.path.join(ROOT, "csrc"), dest / "csrc")
+    if with_installed_build:
+        shutil.copy(ampfused._C.__file__, dest / "ampfused")
+    return str(dest)
+
+
+def run_child(tmp_path, code: str, *, pkg: str, hide_compiler: bool = True, **env: str):
+    empty = tmp_path / "no-tools"
+    empty.mkdir(exist_ok=True)
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AMPFUSED_")}
+    child_env.update(
+        PYTHONPATH=os.pathsep.join([pkg, SITE]),
+        AMPFUSED_CACHE_DIR=str(tmp_path / "cache"),
+        **env,
+    )
+    if hide_compiler:
+        child_env.update(PATH=str(empty), CXX=str(empty / "c++"))
+    return subprocess.run(
+        [sys.executable, "-S", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
+
+
+def assert_ok(proc) -> None:
+    assert proc.returncode == 0 and "CHILD OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# No kernels at all: torch's scaler, the same results, clear refusals
+
+
+NO_KERNELS_CHILD = """
+import warnings
+
+import torch
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import ampfused
+mine = [w for w in caught if issubclass(w.category, ampfused.KernelsUnavailableWarning)]
+assert len(mine) == 1, [str(w.message) for w in caught]
+assert "no C++ compiler" in str(mine[0].message) and "install one" in str(mine[0].message)
+assert not ampfused.KERNELS and not ampfused.WITH_CUDA
+assert ampfused.info().origin == "none" and "no C++ compiler" in str(ampfused.info())
+
+
+def train(scaler_cls, clip):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=2)
+    history = []
+    for i in range(8):
+        x = torch.randn(8, 16)
+        loss = model(x).float().pow(2).mean()
+        if i in (3, 4):
+            loss = loss * float("inf")  # two skipped steps: the scale backs off twice
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if clip:
+            if scaler_cls is torch.amp.GradScaler:
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            else:
+                norm = scaler.clip_grad_norm_(opt, 0.5)
+            history.append(norm.clone())
+        scaler.step(opt)
+        scaler.update()
+        history += [p.detach().clone() for p in model.parameters()] + [scaler.get_scale()]
+    return history, scaler.state_dict()
+
+
+for clip in (False, True):
+    ours, ours_state = train(ampfused.GradScaler, clip)
+    theirs, theirs_state = train(torch.amp.GradScaler, clip)
+    assert ours_state == theirs_state, (ours_state, theirs_state)
+    for a, b in zip(ours, theirs, strict=True):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        else:
+            assert a == b, (a, b)
+
+scaler = ampfused.GradScaler("cpu")
+assert isinstance(scaler, torch.amp.GradScaler)
+assert scaler.min_scale is None and scaler.hysteresis == 1
+refusals = {
+    "watch": lambda: scaler.watch(torch.nn.Linear(2, 2)),
+    "report": scaler.report,
+    "grad_norms": scaler.grad_norms,
+    "counters": scaler.counters,
+    "step_skipped": scaler.step_skipped,
+    "MasterWeights": lambda: ampfused.MasterWeights(torch.optim.SGD([torch.zeros(2)], lr=1)),
+    "min_scale": lambda: ampfused.GradScaler("cpu", min_scale=1.0),
+    "hysteresis": lambda: ampfused.GradScaler("cpu", hysteresis=2),
+    "ampfused.ops": lambda: ampfused.ops,
+    "ampfused.ops ": lambda: __import__("ampfused.grad_scaler"),  # the modules over the ops
+}
+for name, call in refusals.items():
+    try:
+        call()
+    except ampfused.KernelsUnavailableError as e:
+        assert isinstance(e, RuntimeError) and isinstance(e, ImportError)
+        assert "compiled kernels" in str(e) and "no C++ compiler" in str(e), str(e)
+        assert name.strip() in str(e), (name, str(e))
+    else:
+        raise AssertionError(f"{name} did not refuse")
+try:
+    ampfused.GradScaler("cpu", bogus=1)
+except TypeError as e:
+    assert "bogus" in str(e)
+else:
+    raise AssertionError("an unknown keyword was taken")
+assert ampfused.GradScaler("cpu", hysteresis=1, scaling=True).get_scale() == 65536.0
+print("CHILD OK")
+"""
+
+
+def test_without_a_compiler_import_works_and_trains_as_torch(tmp_path):
+    """A package with no installed build and no compiler: one warning naming what is missing,
+    training bit for bit torch's (skipped steps and clipping included), and every kernel-only
+    feature refusing with KernelsUnavailableError."""
+    assert_ok(run_child(tmp_path, NO_KERNELS_CHILD, pkg=package_copy(tmp_path, False)))
+
+
+def test_fallback_scaler_covers_every_public_method():
+    """Each public name ampfused.GradScaler adds to torch's is answered by the fallback: taken
+    over, or refused, never an AttributeError."""
+    ours = {n for n in dir(ampfused.GradScaler) if not n.startswith("_")}
+    added = ours - set(dir(torch.amp.GradScaler))
+    assert added <= set(vars(_no_kernels.GradScaler)), added - set(vars(_no_kernels.GradScaler))
+
+
+def test_build_off_and_bad_mode(tmp_path):
+    pkg = package_copy(tmp_path, True)
+    off = run_child(
+        tmp_path,
+        """
+        import warnings
+        warnings.simplefilter("error")
+        import ampfused
+        assert not ampfused.KERNELS and "AMPFUSED_BUILD=off" in str(ampfused.info())
+        print("CHILD OK")
+        """,
+        pkg=pkg,
+        AMPFUSED_BUILD="off",
+    )
+    assert_ok(off)
+    bad = run_child(tmp_path, "import ampfused", pkg=pkg, AMPFUSED_BUILD="sometimes")
+    assert bad.returncode != 0 and "ValueError: AMPFUSED_BUILD='sometimes'" in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The installed build: used when it is for this torch, named when it is not
+
+
+def test_installed_build_carries_its_record():
+    info = ampfused.info()
+    assert info.origin == "installed", str(info)
+    assert info.built_for is not None, "setup.py wrote no _C.build.json beside the extension"
+    assert info.built_for["torch"] == torch.__version__
+    assert info.built_for["with_cuda"] == ampfused.WITH_CUDA
+    assert info.built_for["sources"] == _build_config.source_digest(os.path.join(ROOT, "csrc"))
+    out = subprocess.run(
+        [sys.executable, "-m", "ampfused"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "installed with the package" in out
+    assert f"built for       torch {torch.__version__}" in out
+
+
+def test_stale_installed_build_is_named_and_aot_refuses(tmp_path):
+    pkg = package_copy(tmp_path, True)
+    record = dict(_build_config.record(torch, False, None, "x"), torch="2.0.0")
+    with open(os.path.join(pkg, "ampfused", _build_config.RECORD_NAME), "w") as f:
+        json.dump(record, f)
+    auto = run_child(
+        tmp_path, "import ampfused; assert not ampfused.KERNELS; print('CHILD OK')", pkg=pkg
+    )
+    assert_ok(auto)
+    assert f"were built for torch 2.0.0; this is torch {torch.__version__}" in auto.stderr
+    assert "no C++ compiler" in auto.stderr
+    aot = run_child(tmp_path, "import ampfused", pkg=pkg, AMPFUSED_BUILD="aot")
+    assert aot.returncode != 0
+    assert "were built for torch 2.0.0" in aot.stderr and "--no-build-isolation" in aot.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The build cache: one builder per key, hits run no tool, a failure is kept with its log
+
+CACHE_CHILD = """
+import os, sys, time
+import ampfused
+from ampfused import _extension
+
+mode = sys.argv[1]
+calls = os.path.join(os.environ["AMPFUSED_CACHE_DIR"], "compiles")
+
+
+def fake_compile(csrc, build_dir, with_cuda, arch_list):
+    with open(calls, "a") as f:
+        f.write("x")
+    time.sleep(3)  # long enough for the other process to arrive and wait
+    if mode == "fail":
+        raise RuntimeError("Error building extension '_C': a compiler error")
+    open(os.path.join(build_dir, "_C.so"), "w").close()
+    return "built"
+
+
+_extension._compile = fake_compile
+_extension._toolchain_problem = lambda: None
+_extension._import = lambda path: "loaded " + path
+try:
+    print("RESULT", _extension._cached(), _extension.STATUS.origin)
+except _extension._BuildProblem as e:
+    print("RESULT failed:", e)
+"""
+
+
+def cache_children(tmp_path, mode: str, count: int) -> list[subprocess.CompletedProcess]:
+    env = dict(os.environ, AMPFUSED_CACHE_DIR=str(tmp_path / "cache"), AMPFUSED_NO_CUDA="1")
+    code = textwrap.dedent(CACHE_CHILD)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(count)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def compiles(tmp_path) -> int:
+    path = tmp_path / "cache" / "compiles"
+    return len(path.read_text()) if path.exists() else 0
+
+
+def test_cache_one_process_builds_the_others_wait_then_hits(tmp_path):
+    results = cache_children(tmp_path, "ok", 2)
+    text = "".join(r.stdout + r.stderr for r in results)
+    assert compiles(tmp_path) == 1, text
+    assert text.count("compiling the kernels") == 1 and text.count("waiting for another") == 1
+    origins = sorted(r.stdout.split("RESULT ")[1].split()[-1] for r in results)
+    assert origins == ["cache", "compiled"], text
+    # a later import: a hit, without the lock or any tool
+    (hit,) = cache_children(tmp_path, "fail", 1)
+    assert compiles(tmp_path) == 1 and "RESULT loaded" in hit.stdout, hit.stdout + hit.stderr
+    assert "ampfused:" not in hit.stderr
+
+
+def test_cache_failed_build_keeps_its_log_and_is_not_retried_by_waiters(tmp_path):
+    results = cache_children(tmp_path, "fail", 2)
+    text = "".join(r.stdout + r.stderr for r in results)
+    assert compiles(tmp_path) == 1, text  # the waiter takes the failure it waited for
+    assert text.count("RESULT failed: compiling them failed") == 2, text
+    (log,) = (tmp_path / "cache").glob("*/build.log")
+    assert "a compiler error" in log.read_text()
+    assert not list((tmp_path / "cache").glob(f"*/{_build_config.RECORD_NAME}"))
+    # a fresh import tries again
+    cache_children(tmp_path, "fail", 1)
+    assert compiles(tmp_path) == 2
+
+
+def test_cache_key_follows_sources_torch_and_archs(tmp_path):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(os.path.join(ROOT, "csrc"), csrc)
+    key = _extension._key(str(csrc), True, "9.0")
+    assert _extension._key(str(csrc), True, "9.0") == key
+    assert _extension._key(str(csrc), True, "8.0;9.0") != key
+    assert _extension._key(str(csrc), False, None) != key
+    (csrc / "unscale_math.h").write_text((csrc / "unscale_math.h").read_text() + "\n// edit\n")
+    assert _extension._key(str(csrc), True, "9.0") != key
+    # host_cuda/ is the tests' layer, not part of the extension
+    (csrc / "host_cuda" / "runtime.h").write_text("// edit\n")
+    edited = _extension._key(str(csrc), True, "9.0")
+    assert _extension._key(str(csrc), True, "9.0") == edited
+
+
+@pytest.mark.parametrize(
+    "arch_list, ok", [("9.0", True), ("7.0;8.0+PTX", True), ("6.1;9.0", False), ("Hopper", True)]
+)
+def test_arch_list_check(arch_list, ok):
+    problem = _build_config.arch_list_problem(arch_list)
+    assert (problem is None) == ok, problem
+    if not ok:
+        assert "6.1" in problem and "AMPFUSED_NO_CUDA=1" in problem

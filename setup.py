@@ -18,6 +18,7 @@ Environment knobs (all optional):
 
 import importlib.util
 import os
+import shutil
 import sys
 
 from setuptools import setup
@@ -127,6 +128,7 @@ class BuildPy(build_py):
         if getattr(self, "editable_mode", False):
             return  # an editable install compiles from the checkout's csrc/
         target = os.path.join(self.build_lib, "ampfused", "_csrc")
+        shutil.rmtree(target, ignore_errors=True)  # a source removed since the last build goes
         for rel in _config.source_files(CSRC):
             self.mkpath(os.path.dirname(os.path.join(target, rel)))
             self.copy_file(os.path.join(CSRC, rel), os.path.join(target, rel))

@@ -23,8 +23,11 @@ import importlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import sys
+import sysconfig
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -111,8 +114,14 @@ class Missing(ModuleType):
 def cache_root() -> str:
     if os.environ.get("AMPFUSED_CACHE_DIR"):
         return os.path.abspath(os.environ["AMPFUSED_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ampfused")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):  # the XDG spec: a relative value is to be ignored
+        return os.path.join(xdg, "ampfused")
+    home = os.path.expanduser("~")
+    if os.path.isabs(home):
+        return os.path.join(home, ".cache", "ampfused")
+    # no home directory (no HOME, no passwd entry): one folder per user in the temp folder
+    return os.path.join(tempfile.gettempdir(), f"ampfused-{os.getuid()}")
 
 
 def _sources_dir() -> str | None:
@@ -128,7 +137,8 @@ def _gpu_archs() -> list[str]:
     runtime, this leaves CUDA uninitialized, so a process that forks later can still use it."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
+        nvml.nvmlDeviceGetCudaComputeCapability  # noqa: B018  (absent from very old drivers)
+    except (OSError, AttributeError):
         return []
     if nvml.nvmlInit_v2() != 0:
         return []
@@ -157,18 +167,18 @@ def _cuda_plan() -> tuple[bool, str | None, str | None]:
         return False, None, "AMPFUSED_NO_CUDA=1"
     if torch.version.cuda is None:
         return False, None, f"torch {torch.__version__} is a CPU build"
-    if config.find_cuda_home() is None:
-        return False, None, "no CUDA toolkit found (set CUDA_HOME to one with bin/nvcc)"
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if not arch_list:
-        archs = _gpu_archs()
-        if not archs:
-            return False, None, "no GPU visible and TORCH_CUDA_ARCH_LIST unset"
-        arch_list = ";".join(archs)
-    problem = config.arch_list_problem(arch_list)
-    if problem:
-        raise _BuildProblem(problem)
-    return True, arch_list, None
+    if arch_list:
+        problem = config.arch_list_problem(arch_list)
+        if problem:
+            raise _BuildProblem(problem)
+        return True, arch_list, None
+    # The GPUs' own archs; one older than the kernels allow (a display GPU beside a datacenter
+    # one) is left out rather than failing the build.
+    archs = [a for a in _gpu_archs() if float(a) >= config.MIN_ARCH]
+    if not archs:
+        return False, None, "no GPU of compute capability 7.0+ visible, TORCH_CUDA_ARCH_LIST unset"
+    return True, ";".join(archs), None
 
 
 def _key(csrc: str, with_cuda: bool, arch_list: str | None) -> str:
@@ -178,6 +188,8 @@ def _key(csrc: str, with_cuda: bool, arch_list: str | None) -> str:
         str(torch.version.cuda),
         str(torch.version.git_version if hasattr(torch.version, "git_version") else ""),
         sys.implementation.cache_tag,
+        sysconfig.get_config_var("EXT_SUFFIX") or "",
+        platform.machine(),
         arch_list if with_cuda else "cpu",
         " ".join(config.CXX_FLAGS + config.NVCC_FLAGS),
     ]
@@ -204,8 +216,14 @@ def _installed() -> ModuleType | None:
     if spec is None or not spec.origin:
         return None
     record = config.read_record(os.path.join(os.path.dirname(spec.origin), config.RECORD_NAME))
-    if record and record.get("torch") != torch.__version__:
-        problem = f"were built for torch {record.get('torch')}; this is torch {torch.__version__}"
+    if record and (record.get("torch"), record.get("torch_cuda")) != (
+        torch.__version__,
+        torch.version.cuda,
+    ):
+        problem = (
+            f"were built for torch {record.get('torch')} (CUDA {record.get('torch_cuda')}); "
+            f"this is torch {torch.__version__} (CUDA {torch.version.cuda})"
+        )
     else:
         try:
             module = importlib.import_module("ampfused._C")
@@ -254,8 +272,16 @@ def _ninja_dir() -> str:
         return os.path.dirname(sys.executable)
 
 
-def _toolchain_problem() -> str | None:
+def _toolchain_problem(with_cuda: bool) -> str | None:
     """What is missing to compile here, checked before any note says a build is running."""
+    if with_cuda and config.find_cuda_home() is None:
+        # Building the CPU kernels alone here would leave the GPU's scaler refusing at its first
+        # step; without kernels GradScaler is torch's, which runs.
+        return (
+            "no CUDA toolkit found to compile the CUDA kernels (nvcc: set CUDA_HOME to a toolkit "
+            "matching torch's CUDA " + str(torch.version.cuda) + "), or AMPFUSED_NO_CUDA=1 to "
+            "compile the CPU kernels only"
+        )
     if config.find_compiler() is None:
         return (
             f"no C++ compiler ({os.environ.get('CXX') or 'c++'}) found on PATH to compile them; "
@@ -318,6 +344,20 @@ def _compile_with(
     )
 
 
+def _load_cached(so_path: str, record_path: str) -> tuple[ModuleType | None, str | None]:
+    """(the cache's complete build, None) when there is one (its record is written last);
+    (None, None) when there is none; (None, why) when it does not load here."""
+    record = config.read_record(record_path)
+    if not record or not os.path.exists(so_path):
+        return None, None
+    try:
+        module = _import(so_path)
+    except (ImportError, OSError) as e:
+        return None, str(e)
+    STATUS.origin, STATUS.path, STATUS.record = "cache", so_path, record
+    return module, None
+
+
 def _cached() -> ModuleType:
     """The cache's build for this key, compiled first on a miss."""
     csrc = _sources_dir()
@@ -334,23 +374,26 @@ def _cached() -> ModuleType:
     record_path = os.path.join(build_dir, config.RECORD_NAME)
     failed_path = os.path.join(build_dir, "failed")
     log_path = os.path.join(build_dir, "build.log")
+    module, broken = _load_cached(so_path, record_path)  # a hit: no lock, no tool run
+    if module is not None:
+        return module
     os.makedirs(build_dir, exist_ok=True)
-    record = config.read_record(record_path)
-    if record and os.path.exists(so_path):  # a hit: no lock, no tool run
-        STATUS.origin, STATUS.path, STATUS.record = "cache", so_path, record
-        return _import(so_path)
     waited_since = time.time()
     with _Lock(os.path.join(root, f"{key}.lock")):
-        record = config.read_record(record_path)
-        if record and os.path.exists(so_path):  # built by the process we waited for
-            STATUS.origin, STATUS.path, STATUS.record = "cache", so_path, record
-            return _import(so_path)
+        if broken is None:  # perhaps built by the process we waited for
+            module, broken = _load_cached(so_path, record_path)
+            if module is not None:
+                return module
+        if broken is not None:
+            _note(f"the cached kernels ({so_path}) do not load ({broken}); compiling them again")
         if os.path.exists(failed_path) and os.path.getmtime(failed_path) >= waited_since:
             # the process we waited for failed on this very key: do not fail again at length
             raise _BuildProblem(f"compiling them failed; the compiler's output is in {log_path}")
-        problem = _toolchain_problem()
+        problem = _toolchain_problem(with_cuda)
         if problem:
             raise _BuildProblem(problem)
+        if os.path.exists(record_path):
+            os.remove(record_path)  # no reader may take the shared object while it is rewritten
         minutes = _CPU_MINUTES + (
             _CUDA_MINUTES_PER_ARCH * len(arch_list.split(";")) if with_cuda else 0
         )
@@ -388,12 +431,18 @@ def _cached() -> ModuleType:
         return module
 
 
+def _missing() -> Missing:
+    # in sys.modules too: `import ampfused._C` must not load a build this module turned down
+    sys.modules["ampfused._C"] = Missing("ampfused._C")
+    return sys.modules["ampfused._C"]
+
+
 def load() -> ModuleType:
     """``ampfused._C``: the kernels, or a :class:`Missing` stand-in after one warning."""
     STATUS.mode = config.build_mode()
     if STATUS.mode == "off":
         STATUS.reason = "AMPFUSED_BUILD=off; unset it to use them"
-        return Missing("ampfused._C")
+        return _missing()
     if STATUS.mode in ("auto", "aot"):
         module = _installed()
         if module is not None:
@@ -408,6 +457,11 @@ def load() -> ModuleType:
         return _cached()
     except _BuildProblem as e:
         STATUS.reason = str(e)
+    except OSError as e:  # an unwritable or unlockable cache folder, a full disk
+        STATUS.reason = (
+            f"the build cache {cache_root()} is not usable ({e}); set AMPFUSED_CACHE_DIR to a "
+            "writable local folder"
+        )
     if STATUS.mode == "jit":
         raise ImportError(f"ampfused: AMPFUSED_BUILD=jit, but {STATUS.reason}")
     warnings.warn(
@@ -417,7 +471,7 @@ def load() -> ModuleType:
         KernelsUnavailableWarning,
         stacklevel=2,
     )
-    return Missing("ampfused._C")
+    return _missing()
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,9 +52,10 @@ def __getattr__(name: str):  # noqa: ANN202
     # ShardedGradScaler imports torch's FSDP1 package: loaded on first use only.
     if name == "ShardedGradScaler":
         if not KERNELS:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        else:
-            from ampfused.sharded_grad_scaler import ShardedGradScaler
+            from ampfused._no_kernels import sharded_grad_scaler
+
+            return sharded_grad_scaler()
+        from ampfused.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler
     if name == "ops":  # only without the kernels; imported above otherwise

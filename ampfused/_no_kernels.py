@@ -34,47 +34,32 @@ _POLICY_DEFAULTS = {
 }
 
 
-class GradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler``, standing in for ampfused's while its kernels are missing."""
+def _check_options(cls: str, options: dict[str, Any]) -> None:
+    for name, value in options.items():
+        if name not in _POLICY_DEFAULTS:
+            raise TypeError(f"{cls} got an unexpected keyword argument {name!r}")
+        if value is not _POLICY_DEFAULTS[name] and value != _POLICY_DEFAULTS[name]:
+            raise unavailable(f"{cls}({name}={value!r})")
 
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        **options: Any,
-    ) -> None:
-        for name, value in options.items():
-            if name not in _POLICY_DEFAULTS:
-                raise TypeError(f"GradScaler got an unexpected keyword argument {name!r}")
-            if value is not _POLICY_DEFAULTS[name] and value != _POLICY_DEFAULTS[name]:
-                raise unavailable(f"GradScaler({name}={value!r})")
-        super().__init__(
-            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
-        )
+
+class _Refusals:
+    """What ampfused's scalers add to torch's and cannot do without the kernels."""
 
     min_scale = None
     max_scale = None
     hysteresis = 1
     at_min_scale = "clamp"
 
-    def clip_grad_norm_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-    ) -> torch.Tensor:
-        """``unscale_(optimizer)``, then torch's ``clip_grad_norm_`` over its parameters."""
-        self.unscale_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-
     def _needs_kernels(self, name: str) -> NoReturn:
-        raise unavailable(f"GradScaler.{name}()")
+        raise unavailable(f"{type(self).__name__}.{name}()")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A checkpoint of ampfused's scaler with a scale policy: torch's rule would drop it.
+        policy = state_dict.get("ampfused") or {}
+        for name in ("min_scale", "max_scale", "hysteresis", "at_min_scale"):
+            if name in policy and policy[name] != _POLICY_DEFAULTS[name]:
+                raise unavailable(f"load_state_dict() of a checkpoint with {name}={policy[name]!r}")
+        super().load_state_dict(state_dict)  # type: ignore[misc]
 
     def counters(self) -> NoReturn:
         self._needs_kernels("counters")
@@ -98,8 +83,94 @@ class GradScaler(torch.amp.GradScaler):
         self._needs_kernels("step_skipped")
 
 
+class GradScaler(_Refusals, torch.amp.GradScaler):
+    """``torch.amp.GradScaler``, standing in for ampfused's while its kernels are missing."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        **options: Any,
+    ) -> None:
+        _check_options("GradScaler", options)
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """``unscale_(optimizer)`` (unless done in this iteration), then torch's
+        ``clip_grad_norm_`` over its parameters."""
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is not (
+            OptState.UNSCALED
+        ):
+            self.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+
 class MasterWeights:
     """Stands in for :class:`ampfused.MasterWeights`, whose fused pass needs the kernels."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise unavailable("ampfused.MasterWeights")
+
+
+def sharded_grad_scaler() -> type:
+    """torch's FSDP1 ShardedGradScaler under ampfused's name and refusals (made on first use:
+    it imports torch's FSDP package)."""
+    global _SHARDED
+    if _SHARDED is None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torch
+
+        class ShardedGradScaler(_Refusals, Torch):
+            """torch's ShardedGradScaler, standing in for ampfused's without its kernels."""
+
+            def __init__(
+                self,
+                device: str = "cuda",
+                init_scale: float = 2.0**16,
+                backoff_factor: float = 0.5,
+                growth_factor: float = 2.0,
+                growth_interval: int = 2000,
+                enabled: bool = True,
+                process_group: Any = None,
+                **options: Any,
+            ) -> None:
+                for name in ("scaling", "allow_fp16"):
+                    if name in options:
+                        raise TypeError(
+                            f"ShardedGradScaler got an unexpected keyword argument {name!r}"
+                        )
+                _check_options("ShardedGradScaler", options)
+                kwargs = {} if process_group is None else {"process_group": process_group}
+                super().__init__(
+                    device,
+                    init_scale,
+                    backoff_factor,
+                    growth_factor,
+                    growth_interval,
+                    enabled,
+                    **kwargs,
+                )
+
+            def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> NoReturn:
+                raise NotImplementedError(
+                    "ShardedGradScaler.clip_grad_norm_: the shards' total norm needs FSDP's "
+                    "sharding; call scaler.unscale_(optimizer), then model.clip_grad_norm_(...)"
+                )
+
+        _SHARDED = ShardedGradScaler
+    return _SHARDED
+
+
+_SHARDED: type | None = None

@@ -46,11 +46,8 @@ def run_child(tmp_path, code: str, *, pkg: str, hide_compiler: bool = True, **en
     empty = tmp_path / "no-tools"
     empty.mkdir(exist_ok=True)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("AMPFUSED_")}
-    child_env.update(
-        PYTHONPATH=os.pathsep.join([pkg, SITE]),
-        AMPFUSED_CACHE_DIR=str(tmp_path / "cache"),
-        **env,
-    )
+    child_env.update(PYTHONPATH=os.pathsep.join([pkg, SITE]))
+    child_env.update({"AMPFUSED_CACHE_DIR": str(tmp_path / "cache"), **env})
     if hide_compiler:
         child_env.update(PATH=str(empty), CXX=str(empty / "c++"))
     return subprocess.run(
@@ -146,6 +143,33 @@ for name, call in refusals.items():
         assert name.strip() in str(e), (name, str(e))
     else:
         raise AssertionError(f"{name} did not refuse")
+# clip_grad_norm_ after unscale_ only clips, as ampfused's does
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+scaler.unscale_(opt)
+before = [p.grad.clone() for p in model.parameters()]
+norm = scaler.clip_grad_norm_(opt, 1e9)
+assert torch.equal(norm, torch.nn.utils.get_total_norm(before))
+# a checkpoint holding a scale policy is refused, one with torch's rule loads
+state = dict(scaler.state_dict(), ampfused={"min_scale": 1.0, "hysteresis": 1})
+try:
+    ampfused.GradScaler("cpu").load_state_dict(state)
+except ampfused.KernelsUnavailableError as e:
+    assert "min_scale=1.0" in str(e)
+else:
+    raise AssertionError("a checkpoint's policy was dropped")
+ampfused.GradScaler("cpu").load_state_dict(dict(state, ampfused={"min_scale": None}))
+sharded = ampfused.ShardedGradScaler("cpu", hysteresis=1)
+for call in (sharded.watch, lambda: ampfused.ShardedGradScaler("cpu", max_scale=2.0**20)):
+    try:
+        call()
+    except ampfused.KernelsUnavailableError:
+        pass
+    else:
+        raise AssertionError("the fallback ShardedGradScaler took a kernel-only feature")
+import ampfused._C  # the stand-in, not an installed build the loader turned down
+assert isinstance(ampfused._C, ampfused._extension.Missing)
 try:
     ampfused.GradScaler("cpu", bogus=1)
 except TypeError as e:
@@ -164,12 +188,24 @@ def test_without_a_compiler_import_works_and_trains_as_torch(tmp_path):
     assert_ok(run_child(tmp_path, NO_KERNELS_CHILD, pkg=package_copy(tmp_path, False)))
 
 
-def test_fallback_scaler_covers_every_public_method():
-    """Each public name ampfused.GradScaler adds to torch's is answered by the fallback: taken
+@pytest.mark.parametrize("name", ["GradScaler", "ShardedGradScaler"])
+def test_fallback_scalers_cover_every_public_method(name):
+    """Each public name ampfused's scalers add to torch's is answered by the fallback: taken
     over, or refused, never an AttributeError."""
-    ours = {n for n in dir(ampfused.GradScaler) if not n.startswith("_")}
-    added = ours - set(dir(torch.amp.GradScaler))
-    assert added <= set(vars(_no_kernels.GradScaler)), added - set(vars(_no_kernels.GradScaler))
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    ours = getattr(ampfused, name)
+    fallback = _no_kernels.GradScaler if name == "GradScaler" else _no_kernels.sharded_grad_scaler()
+    torchs = torch.amp.GradScaler if name == "GradScaler" else ShardedGradScaler
+    added = {n for n in dir(ours) if not n.startswith("_")} - set(dir(torchs))
+    own = {
+        n
+        for klass in fallback.__mro__
+        if klass.__module__ == _no_kernels.__name__
+        for n in vars(klass)
+    }
+    assert added <= own, added - own
+    assert issubclass(fallback, torchs)
 
 
 def test_build_off_and_bad_mode(tmp_path):
@@ -218,7 +254,10 @@ def test_stale_installed_build_is_named_and_aot_refuses(tmp_path):
         tmp_path, "import ampfused; assert not ampfused.KERNELS; print('CHILD OK')", pkg=pkg
     )
     assert_ok(auto)
-    assert f"were built for torch 2.0.0; this is torch {torch.__version__}" in auto.stderr
+    assert (
+        f"were built for torch 2.0.0 (CUDA {torch.version.cuda}); this is torch {torch.__version__}"
+        in auto.stderr
+    )
     assert "no C++ compiler" in auto.stderr
     aot = run_child(tmp_path, "import ampfused", pkg=pkg, AMPFUSED_BUILD="aot")
     assert aot.returncode != 0
@@ -233,14 +272,22 @@ import os, sys, time
 import ampfused
 from ampfused import _extension
 
-mode = sys.argv[1]
-calls = os.path.join(os.environ["AMPFUSED_CACHE_DIR"], "compiles")
+mode, peers = sys.argv[1], int(sys.argv[2])
+cache = os.environ["AMPFUSED_CACHE_DIR"]
+calls = os.path.join(cache, "compiles")
+os.makedirs(cache, exist_ok=True)
+open(os.path.join(cache, f"arrived-{os.getpid()}"), "w").close()
 
 
 def fake_compile(csrc, build_dir, with_cuda, arch_list):
     with open(calls, "a") as f:
         f.write("x")
-    time.sleep(3)  # long enough for the other process to arrive and wait
+    # hold the lock until every peer has arrived (and had a moment to reach the lock)
+    deadline = time.time() + 60
+    while len([n for n in os.listdir(cache) if n.startswith("arrived-")]) < peers:
+        assert time.time() < deadline, "a peer never arrived"
+        time.sleep(0.05)
+    time.sleep(2.0)
     if mode == "fail":
         raise RuntimeError("Error building extension '_C': a compiler error")
     open(os.path.join(build_dir, "_C.so"), "w").close()
@@ -248,8 +295,16 @@ def fake_compile(csrc, build_dir, with_cuda, arch_list):
 
 
 _extension._compile = fake_compile
-_extension._toolchain_problem = lambda: None
-_extension._import = lambda path: "loaded " + path
+_extension._toolchain_problem = lambda with_cuda: None
+
+
+def fake_import(path):
+    if mode == "broken":
+        raise ImportError(f"{path}: invalid ELF header")
+    return "loaded " + path
+
+
+_extension._import = fake_import
 try:
     print("RESULT", _extension._cached(), _extension.STATUS.origin)
 except _extension._BuildProblem as e:
@@ -262,7 +317,7 @@ def cache_children(tmp_path, mode: str, count: int) -> list[subprocess.Completed
     code = textwrap.dedent(CACHE_CHILD)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, mode],
+            [sys.executable, "-c", code, mode, str(count)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -306,6 +361,35 @@ def test_cache_failed_build_keeps_its_log_and_is_not_retried_by_waiters(tmp_path
     # a fresh import tries again
     cache_children(tmp_path, "fail", 1)
     assert compiles(tmp_path) == 2
+
+
+def test_cache_build_that_does_not_load_is_compiled_again(tmp_path):
+    cache_children(tmp_path, "ok", 1)
+    (broken,) = cache_children(tmp_path, "broken", 1)
+    assert compiles(tmp_path) == 2, broken.stdout + broken.stderr
+    assert "do not load" in broken.stderr and "invalid ELF header" in broken.stderr
+    assert "RESULT built compiled" in broken.stdout
+
+
+def test_unusable_cache_falls_back_with_the_reason(tmp_path):
+    """A cache folder that cannot be made (read-only home, a bad AMPFUSED_CACHE_DIR): import
+    still works, on torch's scaler, and says why."""
+    proc = run_child(
+        tmp_path,
+        """
+        import ampfused
+        assert not ampfused.KERNELS
+        text = str(ampfused.info())
+        assert "is not usable" in text and "AMPFUSED_CACHE_DIR" in text
+        print("CHILD OK")
+        """,
+        pkg=package_copy(tmp_path, False),
+        hide_compiler=False,
+        AMPFUSED_CACHE_DIR="/proc/ampfused-cache",
+        AMPFUSED_NO_CUDA="1",
+    )
+    assert_ok(proc)
+    assert "KernelsUnavailableWarning" in proc.stderr
 
 
 def test_cache_key_follows_sources_torch_and_archs(tmp_path):

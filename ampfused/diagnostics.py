@@ -1,21 +1,34 @@
-"""What the scaler's pass saw, by parameter name: the reports behind ``GradScaler.watch``.
+"""What the scaler's pass saw, by parameter name: ``GradScaler.watch`` and its reports.
 
-The fused pass writes a float64 statistics table per device (``grad_stats``, see
-:func:`ampfused.reference.grad_stats`): a header (scale in force, step, verdict) and, per work
-item of each gradient, the sum of squares of the unscaled values, the largest finite magnitude,
-and the counts of +inf, -inf, NaN and zeros.  Nothing here runs unless a report is asked for;
-building one copies every table to the host (one copy per device) and reduces it there.
+Under ``watch()`` the fused pass writes a float64 statistics table per device (``grad_stats``,
+see :func:`ampfused.reference.grad_stats`): a header (scale in force, step, verdict) and, per
+work item of each gradient, the sum of squares of the unscaled values, the largest finite
+magnitude, and the counts of +inf, -inf, NaN and zeros.  :class:`Watch` keeps the names given to
+``watch()`` and the tables of the current and the last iteration.  Nothing here runs unless a
+report is asked for; building one copies every table to the host (one copy per device) and
+reduces it there.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ampfused import _C
+from ampfused._grad_pass import flat_params
 
 __all__ = ["GradStats", "StepReport"]
+
+_LOG = logging.getLogger("ampfused")
+_LOG_SKIPPED = (False, "log", "warn")
+
+# (statistics table, [position, numel] per gradient, the param_groups the positions index)
+Table = tuple[torch.Tensor, torch.Tensor, Any]
 
 
 @dataclass(frozen=True)
@@ -213,3 +226,83 @@ def grad_norms(
     out = {prefix + name: norm for name, norm in zip(r.names, r.norms, strict=True)}
     out["grad_2.0_norm_total"] = r.total_norm
     return out
+
+
+class Watch:
+    """What ``watch()`` was given (names and ranks by parameter identity; the parameters are
+    kept, so an identity is never reused while watched) and the statistics tables of this
+    iteration's passes (``now``) and of the last completed iteration (``last``)."""
+
+    __slots__ = ("names", "order", "params", "log_skipped", "warned", "now", "last")
+
+    def __init__(
+        self, parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], log_skipped: Any
+    ) -> None:
+        if log_skipped not in _LOG_SKIPPED:
+            raise ValueError(
+                f"watch: log_skipped must be False, 'log' or 'warn', got {log_skipped!r}"
+            )
+        if isinstance(parameters, torch.nn.Module):
+            parameters = parameters.named_parameters()
+        self.names: dict[int, str] = {}
+        self.order: dict[int, int] = {}
+        self.params: list[torch.Tensor] = []
+        for i, item in enumerate(parameters):
+            try:
+                name, param = item
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    "watch: parameters must be a torch.nn.Module or (name, parameter) pairs such "
+                    f"as model.named_parameters(); item {i} is {type(item).__name__}"
+                ) from e
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(
+                    f"watch: the parameter named {name!r} is a {type(param).__name__}, not a tensor"
+                )
+            self.names.setdefault(id(param), str(name))
+            self.order.setdefault(id(param), i)
+            self.params.append(param)
+        self.log_skipped = log_skipped
+        self.warned = False
+        self.now: list[Table] = []
+        self.last: list[Table] = []
+
+    def not_covered(self, path: str) -> None:
+        """Warns once that some gradients went through a path that records no statistics."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"ampfused GradScaler.watch: some gradients went through {path} (tensor "
+                "subclasses other than DTensor, a device without ampfused kernels, a subclass "
+                "overriding _unscale_grads_, or MasterWeights), which records no statistics: "
+                "report() and grad_norms() do not cover that optimizer's gradients",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _passes(self) -> list[tuple[torch.Tensor, torch.Tensor, list]]:
+        """The current iteration's tables, or else the last one's, with flat parameter lists."""
+        return [(t, pn, flat_params(groups)) for t, pn, groups in self.now or self.last]
+
+    def report(self) -> StepReport | None:
+        passes = self._passes()
+        return build_report(passes, self.names, self.order) if passes else None
+
+    def grad_norms(self, group_separator: str) -> dict[str, float]:
+        passes = self._passes()
+        if not passes:
+            return {}
+        return grad_norms(passes, self.names, self.order, group_separator)
+
+    def close_iteration(self) -> None:
+        """At update(): this iteration's tables become the last iteration's; a skipped step is
+        reported when watch(log_skipped=...) asked for it."""
+        self.last, self.now = self.now, []
+        if not self.log_skipped or not self.last:
+            return
+        report = self.report()
+        if report is not None and report.skipped:
+            if self.log_skipped == "warn":
+                warnings.warn(str(report), RuntimeWarning, stacklevel=3)
+            else:
+                _LOG.warning("%s", report)

@@ -246,7 +246,7 @@ def test_default_policy_is_torch(device, start, growth_interval):
 
 # ------------------------------------------------------------------------------- GradScaler
 def state_list(scaler: ampfused.GradScaler) -> list[Any]:
-    return reference.state_to_list(scaler._state)
+    return reference.state_to_list(scaler._scale_state.tensor)
 
 
 class Loop:
@@ -513,7 +513,7 @@ def test_checkpoint_round_trip_mid_run(device, how):
     assert at_cut[2] == 1 and at_cut[4] == 3  # one overflow tolerated, three skipped so far
     part.scaler = resumed(device, how, part.scaler)
     if how != "state_dict_after_scale":
-        assert part.scaler._state is None  # made lazily, from the checkpoint's values
+        assert part.scaler._scale_state.tensor is None  # made lazily, from the checkpoint's values
     assert part.scaler.counters() == whole.scaler.counters()
     for i, f in enumerate(FOUNDS[CUT:], CUT):
         whole.step(f)
@@ -633,7 +633,7 @@ def test_bad_checkpoint_entry_changes_nothing(device, lazy, key, value, error, m
     scaler = ampfused.GradScaler(device, init_scale=8.0, min_scale=1.0, hysteresis=3)
     if not lazy:
         scaler.scale(torch.ones((), device=device))
-    before = (scaler.state_dict(), None if lazy else scaler._state.clone())
+    before = (scaler.state_dict(), None if lazy else scaler._scale_state.tensor.clone())
     good = {**scaler.state_dict(), "scale": 4.0, "_growth_tracker": 1, "ampfused": GOOD_ENTRY}
     if key == "entry":
         bad = {**good, "ampfused": value}
@@ -645,7 +645,7 @@ def test_bad_checkpoint_entry_changes_nothing(device, lazy, key, value, error, m
         scaler.load_state_dict(copy.deepcopy(bad))
     assert scaler.state_dict() == before[0]
     if not lazy:
-        assert torch.equal(scaler._state, before[1])
+        assert torch.equal(scaler._scale_state.tensor, before[1])
     scaler.load_state_dict(copy.deepcopy(good))  # and the good one loads
     assert scaler.state_dict() == good
     assert scaler.counters()["steps"] == 10
@@ -677,4 +677,4 @@ def test_state_replaced_from_outside(device, touch):
         want = reference.update_state(want, f, *policy)
         got = [loop.scaler.get_scale(), loop.scaler._get_growth_tracker()]
         assert same_state([*got, *state_list(loop.scaler)[2:]], want), f"iteration {i}"
-    assert not loop.scaler._owns_state()
+    assert not loop.scaler._scale_state.owns(loop.scaler._scale, loop.scaler._growth_tracker)

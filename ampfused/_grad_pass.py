@@ -1,0 +1,262 @@
+"""The pass: one read of every gradient per iteration, unscaling it, checking it for inf/NaN and
+computing the scale update from the same read.
+
+:func:`found_inf` decides which route an optimizer's gradients take, in one place:
+
+* a :class:`~ampfused.MasterWeights` optimizer: its float16 gradients unscaled into the masters'
+  float32 ones (``MasterWeights._grads_to_masters``);
+* a scaler subclass that overrides ``_unscale_grads_`` (e.g. to all-reduce found_inf): torch's
+  methods, which call it;
+* factors set behind the setters' back, which torch's update() refuses: torch's methods;
+* otherwise the C++ walk (csrc/grad_gather.cpp: ``optimizer.param_groups`` read in C++, one
+  fused launch per device, all dtypes, any count), with DTensor gradients (FSDP2, tensor
+  parallel) as their local shards, the pending scale update written beside it
+  (:mod:`ampfused._scale_state`), and under ``watch()`` or a fused clip a statistics table per
+  device;
+* gradients the walk cannot take (sparse, tensor subclasses other than DTensor, a device without
+  ampfused kernels): torch's walk (``torch.amp.GradScaler._unscale_grads_``) over the groups
+  already read.
+
+Every route ends in :func:`agree`: found_inf made the same on every rank before anything reads
+it (:mod:`ampfused._dist`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampfused import _C, _dist
+from ampfused._scale_state import kernel_update_args
+from ampfused.master_weights import MasterWeights
+
+__all__ = ["found_inf", "agree", "unscale_grads", "multiply_grads", "read_param_groups"]
+
+# Devices with ampfused kernels; others (mps, xpu, ...) use torch's implementation unchanged.
+KERNEL_DEVICES = ("cpu", "cuda")
+
+Found = dict[torch.device, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- optimizers
+class ParamGroups:
+    """Stands in for an optimizer in torch's ``_unscale_grads_``, which reads only
+    ``param_groups``: lets torch's walk reuse groups already read from a one-shot iterable."""
+
+    __slots__ = ("param_groups",)
+
+    def __init__(self, param_groups: list | tuple) -> None:
+        self.param_groups = param_groups
+
+
+def read_param_groups(optimizer: Any) -> list | tuple:
+    """``optimizer.param_groups`` as a list or tuple, read once: torch's scaler walks it with a
+    for loop, so any iterable works there, a generator included (read once per pass)."""
+    groups = optimizer.param_groups
+    if type(groups) is list or type(groups) is tuple:
+        return groups
+    try:
+        iterator = iter(groups)
+    except TypeError as e:
+        raise TypeError(
+            "optimizer.param_groups must be an iterable of dicts with a 'params' entry, got "
+            f"{type(groups).__name__}"
+        ) from e
+    return list(iterator)
+
+
+def flat_params(groups: Any) -> list:
+    return [p for g in groups for p in g["params"]]
+
+
+def group_index(groups: Any, position: int) -> tuple[int, int]:
+    """(group, index in the group) of a position in flat_params(groups)."""
+    for g, group in enumerate(groups):
+        n = len(group["params"])
+        if position < n:
+            return g, position
+        position -= n
+    raise IndexError(position)
+
+
+def fused_walk(method: Callable) -> Callable:
+    """Marks the scaler's own ``_unscale_grads_``: a subclass that overrides it hooks the
+    unscale, and its gradients take torch's methods, which call the override."""
+    method.ampfused_fused_walk = True  # type: ignore[attr-defined]
+    return method
+
+
+def _walk_hooked(scaler: Any) -> bool:
+    return not getattr(type(scaler)._unscale_grads_, "ampfused_fused_walk", False)
+
+
+# ----------------------------------------------------------------------------- the pass
+def found_inf(
+    scaler: Any,
+    optimizer: Any,
+    check_only: bool,
+    allow_fp16: bool,
+    tables: list | None = None,
+) -> Found | None:
+    """One pass over the optimizer's gradients (unscaling them unless check_only), with the
+    pending update computed; found_inf per device, agreed across ranks.
+
+    Returns None, having read nothing, when torch's method must run instead (its own
+    ``unscale_`` / ``_check_inf_per_device``, which call ``_unscale_grads_``).  With ``tables``,
+    the pass writes statistics and appends (table, positions, groups) per device to it (none
+    where gradients took torch's walk).
+    """
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    assert scale is not None and tracker is not None
+    if not (scale.is_cuda or scale.is_cpu):
+        return None
+    allow_fp16 = allow_fp16 or scaler._allow_fp16  # as _unscale_grads_ for torch's walk
+    watch = scaler._watch
+    first_table = len(watch.now) if watch is not None else 0
+    if isinstance(optimizer, MasterWeights):
+        if _walk_hooked(scaler):
+            raise NotImplementedError(
+                f"{type(scaler).__name__} overrides _unscale_grads_ (e.g. to all-reduce "
+                "found_inf), which a MasterWeights optimizer's pass does not call; use "
+                "ampfused.GradScaler itself with MasterWeights"
+            )
+        if watch is not None:
+            watch.not_covered("a MasterWeights optimizer's pass")
+        # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
+        # casts them unscaled, for an optimizer that divides by the scale itself).
+        inv = torch.ones((), dtype=torch.float32, device=scale.device)
+        if not check_only:
+            inv = inv_scale(scaler)
+        # (this pass records no statistics: the tables of earlier passes keep their verdict)
+        return agree(scaler, optimizer._grads_to_masters(inv), (), first_table)
+    if _walk_hooked(scaler):
+        return None
+    factors = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+    args = kernel_update_args(factors)
+    if args is None:  # values set behind the setters' back: torch's update() raises
+        return None
+    groups = read_param_groups(optimizer)
+    dev = scale.device
+    state = scaler._scale_state
+    unwrap = _dist.dtensor_unwrap()
+    pending = state.pending
+    result = _C.fused_pass(
+        groups,
+        state.pass_input(scale, tracker),
+        state.pending_buffer(dev),
+        *args,
+        *state.kernel_policy,
+        check_only,
+        pending is not None and bool(pending.found),
+        allow_fp16,
+        watch is not None or tables is not None,
+        unwrap,
+    )
+    if result is None:
+        # A gradient needs torch's walk: run it over the groups read above, with the inputs
+        # torch's methods give it.
+        if watch is not None:
+            watch.not_covered("torch's own unscale path")
+        inv = torch.ones((), dtype=torch.float32, device=dev)
+        if not check_only:
+            inv = scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+        found = torch_walk(scaler, groups, inv, found_inf, allow_fp16)
+        return agree(scaler, found, (), first_table)
+    # DTensor gradients have their found_inf reduced over their meshes; a rank with no gradient
+    # joins the all-reduces the ranks with gradients run (checked only then: no cost per step).
+    mesh_plan = _dist.mesh_plan(unwrap[3]) if unwrap is not None and unwrap[3] else []
+    if not result:
+        mesh_plan = _dist.mesh_plan(_dist.param_meshes(groups))
+    pending = state.pending or state.start_pending(scale, tracker, factors)
+    found = {}
+    for device, flag, stats, positions in result:
+        found[device] = flag
+        if device == dev:
+            pending.note(flag)
+        if stats is not None:
+            if watch is not None:
+                watch.now.append((stats, positions, groups))
+            if tables is not None and not mesh_plan:  # (sharded: the norm needs every rank)
+                tables.append((stats, positions, groups))
+    return agree(scaler, found, mesh_plan, first_table)
+
+
+def agree(scaler: Any, found: Found, mesh_plan: Any, first_table: int, plan_done: int = 0) -> Found:
+    """found_inf made the same on every rank: each flag all-reduced over the DTensors' meshes
+    (MAX), then over found_inf_group (MAX; ShardedGradScaler: SUM over its process_group), in
+    place, before anything reads it.  A rank without gradients joins with a zero flag on the
+    scale's device, which it keeps as its result.  The pending update, computed from this
+    rank's flags, is dropped (update() computes it from the agreed ones), and the verdict in
+    this pass's statistics tables (the watched ones from first_table on) becomes the agreed
+    one.  plan_done: how many of found_inf_group's reductions torch's own method already ran."""
+    if not mesh_plan and not scaler._found_inf_plan:
+        return found  # (single-process training: nothing to agree on)
+    if not found:
+        plan_done = 0  # torch's method had no flag to reduce: it ran none of the plan
+    plan = _dist.unique([*mesh_plan, *scaler._found_inf_plan[plan_done:]])
+    if not plan:
+        return found
+    if not found:
+        dev = scaler._scale.device
+        found = {dev: torch.zeros((), dtype=torch.float32, device=dev)}
+    flags = list(found.values())
+    _dist.all_reduce_flags(flags, plan)
+    scaler._scale_state.pending = None
+    tables = scaler._watch.now[first_table:] if scaler._watch is not None else ()
+    if tables:
+        skipped = flags[0] > 0
+        for f in flags[1:]:
+            skipped = skipped | (f.to(skipped.device) > 0)
+        for table, _, _ in tables:
+            table[0, 2].copy_(skipped, non_blocking=True)
+    return found
+
+
+def agree_torch_result(scaler: Any, found: Found, plan_done: int = 0) -> Found:
+    """:func:`agree` for found_inf that torch's own method computed (no statistics)."""
+    first_table = len(scaler._watch.now) if scaler._watch is not None else 0
+    return agree(scaler, found, (), first_table, plan_done)
+
+
+# ----------------------------------------------------------------------------- walks
+def unscale_grads(
+    optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+) -> tuple[Found | None, Any]:
+    """torch's ``_unscale_grads_`` contract, one launch per device instead of one per (device,
+    dtype), and no Python loop over parameters.  Returns (None, the optimizer or its groups as
+    read) where the gradients need the walk of the scaler's next class (torch's)."""
+    if inv_scale.device.type not in KERNEL_DEVICES:
+        return None, optimizer
+    groups = read_param_groups(optimizer)
+    result = _C.unscale_grads(groups, inv_scale, found_inf, allow_fp16)
+    if result is not None:
+        return dict(result), optimizer
+    return None, ParamGroups(groups)  # (read once, reused)
+
+
+def torch_walk(
+    scaler: Any, groups: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+) -> Found:
+    """torch's own walk (per parameter, per (device, dtype) group) over groups already read."""
+    return torch.amp.GradScaler._unscale_grads_(
+        scaler, ParamGroups(groups), inv_scale, found_inf, allow_fp16
+    )
+
+
+def multiply_grads(scaler: Any, groups: Any, factor: torch.Tensor) -> None:
+    """Every gradient of the groups times factor, in place (multiply-or-pass)."""
+    flag = torch.zeros((), dtype=torch.float32, device=factor.device)
+    # (DTensors: their local shards, with no collective)
+    if _C.unscale_grads(groups, factor, flag, True, _dist.dtensor_unwrap()) is None:
+        torch_walk(scaler, groups, factor, flag, True)
+
+
+def inv_scale(scaler: Any) -> torch.Tensor:
+    """What the gradients are multiplied by: 1 / scale, as torch computes it (1 without
+    scaling)."""
+    if not scaler._scaling:
+        return torch.ones((), dtype=torch.float32, device=scaler._scale.device)
+    return scaler._scale.double().reciprocal().float()

@@ -6,6 +6,21 @@ are registered as ``torch.ops.ampfused.*`` and wrapped in :mod:`ampfused.ops`;
 the installed build or one compiled at first import (:mod:`ampfused._extension`); where none can
 be had, ``GradScaler`` is torch's own scaler (:mod:`ampfused._no_kernels`) and ``KERNELS`` is
 False.  ``python -m ampfused`` (or :func:`info`) says which.
+
+Which file holds what, from the top down (a module imports only modules below it):
+
+    sharded_grad_scaler  ShardedGradScaler: torch's FSDP1 scaler on GradScaler
+    grad_scaler          GradScaler: the protocol (unscale_, step, update, the stages)
+    _clip, diagnostics   fused unscale + clip; watch() and its reports
+    _grad_pass           the pass: which route gradients take, the agreement across ranks
+    master_weights       MasterWeights: float32 masters for float16/bfloat16 models
+    _scale_state         the scale's state and policy, pending update, checkpoints, checks
+    _dist, ops           torch.distributed's part; the ops' typed wrappers
+    reference            the ops' pure-PyTorch specification
+    _compile             how the scaler's methods meet torch.compile
+    _torch_private       the private torch names relied on, and why
+    _extension           where the kernels come from (_build_config, _build_check: the build)
+    _no_kernels          GradScaler and friends without kernels
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)

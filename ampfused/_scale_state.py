@@ -207,7 +207,21 @@ def check_policy(
     return low, high, int(hysteresis), at_min_scale
 
 
-def check_init_scale(init_scale: Any, min_scale: Any, max_scale: Any) -> None:
+def check_constructor(enabled: bool, init_scale: Any, factors: Factors, policy: tuple) -> Policy:
+    """The constructor's values beyond torch's own checks, in the order torch would meet them
+    (the first scale(), update()), then the policy, then init_scale within its bounds.  torch
+    checks nothing else, and uses nothing, when disabled."""
+    if enabled:
+        check_fill("GradScaler: init_scale", init_scale, torch.float32, None)
+        for name, value in zip(UPDATE_ARGS, factors, strict=True):
+            check_update_arg("GradScaler", name, value)
+    checked = check_policy("GradScaler", *policy)
+    if enabled:
+        _check_init_scale(init_scale, policy[0], policy[1])
+    return checked
+
+
+def _check_init_scale(init_scale: Any, min_scale: Any, max_scale: Any) -> None:
     """The constructor's init_scale within the policy's bounds (both held as float32)."""
     init = f32(float(init_scale))
     for name, bound, outside in (

@@ -42,7 +42,7 @@ import torch
 
 from ampfused import _clip, _dist, _grad_pass, _scale_state
 from ampfused._compile import as_is, compiled_region_active, eager, not_traced, not_traced_eager
-from ampfused._scale_state import CHECKPOINT_KEY, UPDATE_ARGS, ScaleState, check_update_arg
+from ampfused._scale_state import CHECKPOINT_KEY, ScaleState, check_update_arg
 from ampfused._torch_private import OptState, supports_amp_scaling
 from ampfused.diagnostics import StepReport, Watch
 
@@ -79,6 +79,58 @@ def _step_takes_grad_scaler(optimizer: Any) -> bool:
     except TypeError:
         pass
     return takes
+
+
+# ----------------------------------------------------------------------------- misuse
+# torch's refusals of a call out of order: its exception types, its wording first, then the fix.
+_STAGE_ERRORS = {
+    ("unscale_", _UNSCALED): "unscale_() has already been called on this optimizer since the "
+    "last update(). Call unscale_() at most once per optimizer per iteration (step() does it for "
+    "you if you did not), then step() and update().",
+    ("unscale_", _STEPPED): "unscale_() is being called after step(). step() already unscaled "
+    "the gradients; call unscale_() before step(), or call update() first to start the next "
+    "iteration.",
+    ("step", _STEPPED): "step() has already been called since the last update(). Call "
+    "scaler.update() once per iteration, after step() has run for every optimizer.",
+}
+
+
+def _check_stage(method: str, stage: OptState) -> None:
+    message = _STAGE_ERRORS.get((method, stage))
+    if message is not None:
+        raise RuntimeError(message)
+
+
+def _check_step_kwargs(kwargs: dict[str, Any]) -> None:
+    if "closure" in kwargs:
+        raise RuntimeError(
+            "Closure use is not currently supported if GradScaler is enabled. Compute the "
+            "loss and call scaler.scale(loss).backward() before scaler.step(optimizer)."
+        )
+
+
+def _no_inf_checks(where: str) -> AssertionError:
+    if where == "update":
+        return AssertionError(
+            "No inf checks were recorded prior to update. Call scaler.step(optimizer) (or "
+            "scaler.unscale_(optimizer)) for at least one optimizer with gradients before "
+            "scaler.update()."
+        )
+    return AssertionError(
+        "No inf checks were recorded for this optimizer. None of its parameters has "
+        "a .grad: run scaler.scale(loss).backward() before scaler.step(optimizer)."
+    )
+
+
+def _warn_legacy_protocol() -> None:
+    warnings.warn(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed "
+        "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+        "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+        "directly.",
+        FutureWarning,
+        stacklevel=4,
+    )
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -185,11 +237,13 @@ class GradScaler(torch.amp.GradScaler):
         except (AssertionError, TypeError) as e:
             raise _scale_state.constructor_factor_error(e, growth_factor, backoff_factor) from e
         self._init_fused_state()
-        if self._enabled:  # torch checks nothing else, and uses nothing, when disabled
-            _scale_state.check_fill("GradScaler: init_scale", init_scale, torch.float32, None)
-            factors = (growth_factor, backoff_factor, growth_interval)
-            for name, value in zip(UPDATE_ARGS, factors, strict=True):
-                check_update_arg("GradScaler", name, value)
+        policy = _scale_state.check_constructor(
+            self._enabled,
+            init_scale,
+            (growth_factor, backoff_factor, growth_interval),
+            (min_scale, max_scale, hysteresis, at_min_scale),
+        )
+        self._scale_state.set_policy(*policy)
         self._scaling = scaling
         self._allow_fp16 = allow_fp16
         self._found_inf_plan = _dist.reductions(found_inf_groups, "max")
@@ -200,12 +254,6 @@ class GradScaler(torch.amp.GradScaler):
             self._init_scale = 1.0
             self._growth_factor = 1.0
             self._backoff_factor = 1.0
-        policy = _scale_state.check_policy(
-            "GradScaler", min_scale, max_scale, hysteresis, at_min_scale
-        )
-        if self._enabled:
-            _scale_state.check_init_scale(init_scale, min_scale, max_scale)
-        self._scale_state.set_policy(*policy)
 
     # Scalers pickled before these options existed:
     _allow_fp16 = False
@@ -374,18 +422,7 @@ class GradScaler(torch.amp.GradScaler):
             return
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is _UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update(). "
-                "Call unscale_() at most once per optimizer per iteration (step() does it for "
-                "you if you did not), then step() and update()."
-            )
-        elif optimizer_state["stage"] is _STEPPED:
-            raise RuntimeError(
-                "unscale_() is being called after step(). step() already unscaled the "
-                "gradients; call unscale_() before step(), or call update() first to start the "
-                "next iteration."
-            )
+        _check_stage("unscale_", optimizer_state["stage"])
         # Without scaling there is nothing to divide: the pass only checks (float16 included).
         scaling = self._scaling
         found = _grad_pass.found_inf(
@@ -498,40 +535,22 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return optimizer.step, (), kwargs, _FINISH_NOTHING
         # The refusals, in torch's order: which one a wrong call meets decides the type raised.
-        if "closure" in kwargs:
-            raise RuntimeError(
-                "Closure use is not currently supported if GradScaler is enabled. Compute the "
-                "loss and call scaler.scale(loss).backward() before scaler.step(optimizer)."
-            )
+        _check_step_kwargs(kwargs)
         self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is _STEPPED:
-            raise RuntimeError(
-                "step() has already been called since the last update(). Call scaler.update() "
-                "once per iteration, after step() has run for every optimizer."
-            )
+        _check_stage("step", optimizer_state["stage"])
         if not supports_amp_scaling(optimizer):
             # An ordinary optimizer sees finished gradients: unscale them (once), then let the
             # host decide from found_inf, which costs the iteration's one sync per device.
             if optimizer_state["stage"] is _READY:
                 self.unscale_(optimizer)
             if not optimizer_state["found_inf_per_device"]:
-                raise AssertionError(
-                    "No inf checks were recorded for this optimizer. None of its parameters has "
-                    "a .grad: run scaler.scale(loss).backward() before scaler.step(optimizer)."
-                )
+                raise _no_inf_checks("step")
             # torch's hook: subclasses may override how the skip is decided.
             return self._maybe_opt_step, (optimizer, optimizer_state), kwargs, _FINISH_STAGE
         if _step_takes_grad_scaler(optimizer):
             # The older protocol: the optimizer is handed the scaler itself.
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
-                "directly.",
-                FutureWarning,
-                stacklevel=3,
-            )
+            _warn_legacy_protocol()
             return optimizer.step, (), {**kwargs, "grad_scaler": self}, _FINISH_STAGE
         self._set_fused_step_inputs(optimizer, optimizer_state)
         return optimizer.step, (), kwargs, _FINISH_ATTRIBUTES
@@ -613,23 +632,10 @@ class GradScaler(torch.amp.GradScaler):
         pending = state.take_pending()
         found_infs = self._found_infs()
         if new_scale is not None:
-            # torch reads no found_inf here: the sum is taken on copies.
-            counted = bool(found_infs) and state.prepare_next(
-                pending, scale, tracker, self._factors(), found_infs, False
-            )
-            if not isinstance(new_scale, float):
-                _scale_state.check_new_scale(new_scale, self._device)
-            _scale_state.write_new_scale(scale, new_scale)
-            if counted:
-                state.count_iteration()
-            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            self._update_to(new_scale, pending, found_infs)
             return
         if len(found_infs) == 0:
-            raise AssertionError(
-                "No inf checks were recorded prior to update. Call scaler.step(optimizer) (or "
-                "scaler.unscale_(optimizer)) for at least one optimizer with gradients before "
-                "scaler.update()."
-            )
+            raise _no_inf_checks("update")
         if not state.prepare_next(pending, scale, tracker, self._factors(), found_infs, True):
             super().update()
             return
@@ -637,6 +643,20 @@ class GradScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         if floor_hit:
             state.report_floor_hit(self.get_scale())
+
+    def _update_to(self, new_scale: Any, pending: Any, found_infs: list[torch.Tensor]) -> None:
+        """update(new_scale): the scale set, the iteration counted (steps, skips) when it ran;
+        torch reads no found_inf here, so the sum is taken on copies."""
+        state, scale = self._scale_state, self._scale
+        counted = bool(found_infs) and state.prepare_next(
+            pending, scale, self._growth_tracker, self._factors(), found_infs, False
+        )
+        if not isinstance(new_scale, float):
+            _scale_state.check_new_scale(new_scale, self._device)
+        _scale_state.write_new_scale(scale, new_scale)
+        if counted:
+            state.count_iteration()
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
     # ----------------------------------------------------------------------------- diagnostics
     @not_traced_eager

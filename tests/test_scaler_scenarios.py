@@ -5,7 +5,7 @@ Two kinds of scenario:
 * **Recipes** (``RECIPES``): a small training loop run three times from the same weights and
   data: unscaled in float32 (the control), with ``torch.amp.GradScaler`` and with
   ``ampfused.GradScaler``.  The two scaled runs go through the parity harness of
-  ``test_grad_scaler.py`` (``lockstep``: everything compared bit for bit after every
+  ``_scaler_harness.py`` (``lockstep``: everything compared bit for bit after every
   iteration); each is then held against the control, to the recipe's tolerance, and its final
   scale against the number of growth and backoff steps the recipe implies.  The scaled runs get an
   inf in one weight gradient in ``OVERFLOW_ITER``; the control skips the step the overflow would
@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_grad_scaler import SCALERS, Side, assert_same, device_key, lockstep, torch_state_dict
+from _scaler_harness import SCALERS, Side, assert_same, device_key, lockstep, torch_state_dict
 from torch import nn
 from torch.torch_version import TorchVersion
 

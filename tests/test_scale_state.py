@@ -1,0 +1,286 @@
+"""The scale state of ``ampfused.GradScaler``, step for step against ``torch.amp.GradScaler``,
+bit for bit (the harness: _scaler_harness.py): state_dict and checkpoints loaded across the two
+classes and mid-iteration, pickling and deepcopy, changes to the scale, the growth tracker, the
+factors and found_inf between step() and update(), replaced _scale/_growth_tracker tensors, and
+update(new_scale).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _scaler_harness import (
+    INF_ITER,
+    SCALER_KW,
+    SCALERS,
+    FusedScaler,
+    Side,
+    TorchScaler,
+    _prepared,
+    assert_same,
+    build_net,
+    build_three,
+    compare_sides,
+    found_from,
+    inject_specials,
+    lockstep,
+    make_sides,
+    make_train_step,
+    mid_iteration,
+    multi_step,
+    torch_state_dict,
+)
+
+
+# ------------------------------------------------------------------------------- state_dict
+def test_state_dict_matches_torch(device):
+    kw = {
+        "init_scale": 3.0 * 2**18,
+        "growth_factor": 3.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 3,
+    }
+    sides = make_sides(device, build_net("sgd", "forloop"), **kw)
+    sds = [torch_state_dict(s.scaler) for s in sides]  # before the scale exists
+    assert_same(sds[0], sds[1])
+    assert list(sds[0]) == [
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+    ]
+    assert list(sides[1].scaler.state_dict()) == [*sds[0], "ampfused"]
+    history = lockstep(sides, make_train_step(), 6)  # compares state_dict() every iteration
+    assert any(h["mid"]["_growth_tracker"].item() for h in history)
+
+
+def _crossload(src: torch.amp.GradScaler, dst: torch.amp.GradScaler) -> None:
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst.load_state_dict(torch.load(buf))
+
+
+def test_checkpoint_crossload_mid_training(device):
+    # sides: torch uninterrupted, ampfused uninterrupted, then torch and ampfused scalers that
+    # are replaced mid-training by ones loaded from the other class's checkpoint.
+    classes = (TorchScaler, FusedScaler, TorchScaler, FusedScaler)
+    kw = {"init_scale": 2.0**20, "growth_interval": 3}
+    sides = make_sides(device, build_net("adam", "foreach"), classes=classes, **kw)
+    step = make_train_step()
+    i = 0
+    while i < 3 or sides[0].scaler._get_growth_tracker() == 0:  # load a non-trivial tracker
+        lockstep(sides, step, range(i, i + 1))
+        i += 1
+        assert i < 12
+    old = [s.scaler for s in sides]
+    # a fresh scaler (lazy: no _scale yet) and a used one (its _scale is overwritten in place)
+    fresh_fused = FusedScaler(device, init_scale=1.0, growth_factor=9.0, growth_interval=7)
+    used_torch = TorchScaler(device, init_scale=5.0, backoff_factor=0.1)
+    used_torch.scale(torch.ones((), device=device))
+    _crossload(old[0], fresh_fused)  # torch -> ampfused
+    _crossload(old[1], used_torch)  # ampfused -> torch
+    sides[3].scaler, sides[2].scaler = fresh_fused, used_torch
+    # and the other way round on a used ampfused scaler
+    used_fused = FusedScaler(device, init_scale=7.0)
+    used_fused.scale(torch.ones((), device=device))
+    _crossload(old[2], used_fused)
+    assert_same(torch_state_dict(used_fused), old[2].state_dict())
+    lockstep(sides, step, range(i, i + 6))
+
+
+@pytest.mark.parametrize("where", ["after_unscale", "after_step"])
+def test_load_state_dict_mid_iteration(device, where):
+    # Loading a checkpoint between unscale_/step and update: update() must start from the loaded
+    # scale and tracker, as torch's does, never commit an update computed before the load.
+    loaded = {
+        "scale": 512.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 2,
+        "_growth_tracker": 1,
+    }
+
+    def train_step(side: Side, i: int) -> dict:
+        _prepared(side, i)
+        inject_specials(side.model, i)
+        if where == "after_unscale":
+            side.scaler.unscale_(side.opt)
+            side.scaler.load_state_dict(dict(loaded, scale=loaded["scale"] * (i + 1)))
+            ret = side.scaler.step(side.opt)
+        else:
+            ret = side.scaler.step(side.opt)
+            side.scaler.load_state_dict(dict(loaded, scale=loaded["scale"] * (i + 1)))
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        side.scaler.update()
+        return res
+
+    sides = make_sides(device, build_net("sgd", "forloop"), **SCALER_KW)
+    history = lockstep(sides, train_step, 5)
+    assert found_from(history[INF_ITER])
+    # the loaded tracker (1) with interval 2 means: a clean step grows, an overflow backs off
+    assert sides[0].scaler.get_scale() == 512.0 * 5 * 4.0
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy(device, how):
+    def clone(scaler):
+        return pickle.loads(pickle.dumps(scaler)) if how == "pickle" else copy.deepcopy(scaler)
+
+    base = make_train_step()
+
+    def train_step(side: Side, i: int) -> dict:
+        side.scaler = clone(side.scaler)  # at the iteration boundary
+        out = base(side, i)
+        return out
+
+    sides = make_sides(device, build_net("adamw", "fused"), **SCALER_KW)
+    for side in sides:
+        side.scaler = clone(side.scaler)  # before the scale exists
+    lockstep(sides, train_step, 6)
+    assert type(sides[1].scaler) is FusedScaler
+    # mid-iteration both refuse, with the same error
+    messages = []
+    for side in sides:
+        _prepared(side)
+        side.scaler.unscale_(side.opt)
+        with pytest.raises(AssertionError) as exc:
+            clone(side.scaler)
+        messages.append(str(exc.value))
+        side.scaler.step(side.opt)
+        side.scaler.update()
+    assert messages[0] == messages[1]
+    compare_sides(sides, "after the refused copy")
+    lockstep(sides, train_step, range(6, 8))
+
+
+# ------------------------------------------------------------------------------- fallbacks
+def _between_fill_scale(side: Side, i: int) -> None:
+    if i in (2, 5):
+        side.scaler._scale.fill_(3.0 * 2**10)
+
+
+def _between_mul_scale(side: Side, i: int) -> None:
+    if i % 3 == 1:
+        side.scaler._scale.mul_(0.25)
+
+
+def _between_tracker(side: Side, i: int) -> None:
+    if i == 4:
+        side.scaler._growth_tracker.fill_(1)
+
+
+def _setter(name: str, values: dict[int, float]) -> Callable[[Side, int], None]:
+    def between(side: Side, i: int) -> None:
+        if i in values:
+            getattr(side.scaler, name)(values[i])
+
+    return between
+
+
+def _found_inf_edit(op: str) -> Callable[[Side, int], Any]:
+    def between(side: Side, i: int) -> Any:
+        for f in side.scaler._found_inf_per_device(side.opt).values():
+            if op == "zero":  # hide every overflow: the scale keeps growing
+                f.zero_()
+            elif op == "one" and i % 2 == 0:  # report an overflow on every other step
+                f.fill_(1.0)
+            elif op == "add" and i % 3 == 0:  # found_inf values summing to 2
+                f.add_(1.0)
+
+    return between
+
+
+def _replace_scale(side: Side, i: int) -> None:
+    if i == 3:
+        side.scaler._scale = torch.full((), 2.0**11, device=side.device)
+    if i == 5:
+        side.scaler._growth_tracker = torch.full((), 1, dtype=torch.int32, device=side.device)
+
+
+FALLBACKS: dict[str, Callable[[Side, int], Any]] = {
+    "scale_fill_": _between_fill_scale,
+    "scale_mul_": _between_mul_scale,
+    "growth_tracker_fill_": _between_tracker,
+    "set_growth_factor": _setter("set_growth_factor", {1: 3.0, 4: 1.5}),
+    "set_backoff_factor": _setter("set_backoff_factor", {0: 0.125, 3: 0.75}),
+    "set_growth_interval": _setter("set_growth_interval", {1: 1, 5: 3}),
+    "found_inf_zero_": _found_inf_edit("zero"),
+    "found_inf_fill_one": _found_inf_edit("one"),
+    "found_inf_add_": _found_inf_edit("add"),
+    "replace_scale_tensors": _replace_scale,
+}
+
+
+@pytest.mark.parametrize("impl", ["forloop", "fused"])
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_changes_between_step_and_update(device, case, impl):
+    sides = make_sides(device, build_net("sgd", impl), **SCALER_KW)
+    lockstep(sides, make_train_step(between=FALLBACKS[case]))
+
+
+@pytest.mark.parametrize("case", ["scale_mul_", "set_growth_factor", "set_backoff_factor"])
+def test_changes_between_two_optimizers(device, case):
+    # the change lands after the first optimizer's pass and before the others' passes
+    sides = make_sides(device, build_three, init_scale=2.0**12, growth_interval=2)
+    lockstep(sides, multi_step(FALLBACKS[case]), 6)
+
+
+def test_replaced_scale_tensors_between_iterations(device):
+    def train_step(side: Side, i: int) -> dict:
+        if i == 2:
+            side.scaler._scale = torch.full((), 2.0**13, device=side.device)
+            side.scaler._growth_tracker = torch.full((), 1, dtype=torch.int32, device=side.device)
+        return make_train_step()(side, i)
+
+    lockstep(make_sides(device, build_net("sgd", "foreach"), **SCALER_KW), train_step)
+
+
+@pytest.mark.parametrize("kind", ["float", "tensor"])
+def test_update_new_scale(device, kind):
+    def train_step(side: Side, i: int) -> dict:
+        _prepared(side, i)
+        inject_specials(side.model, i)
+        ret = side.scaler.step(side.opt)
+        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        if i in (1, 3, 4):
+            value = 2.0 ** (10 + i)
+            new_scale = value if kind == "float" else torch.tensor(value, device=side.device)
+            side.scaler.update(new_scale)
+            if kind == "tensor":
+                new_scale.fill_(7.0)  # later changes to the argument do not leak in
+        else:
+            side.scaler.update()
+        return res
+
+    sides = make_sides(device, build_net("sgd", "forloop"), **SCALER_KW)
+    lockstep(sides, train_step, 7)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["two_elements", "requires_grad"],
+)
+def test_update_new_scale_invalid(device, bad):
+    messages = []
+    for cls in SCALERS:
+        scaler = cls(device, init_scale=8.0)
+        scaler.scale(torch.ones((), device=device))
+        if bad == "two_elements":
+            new_scale = torch.ones(2, device=device)
+        else:
+            new_scale = torch.ones((), device=device, requires_grad=True)
+        with pytest.raises(AssertionError) as exc:
+            scaler.update(new_scale)
+        messages.append((str(exc.value), scaler.get_scale()))
+    (msg_t, scale_t), (msg_a, scale_a) = messages
+    assert scale_a == scale_t == 8.0
+    # torch's wording first, then what was given
+    assert msg_a.startswith(msg_t) and len(msg_a) > len(msg_t), (msg_t, msg_a)

@@ -95,6 +95,21 @@ _STAGE_ERRORS = {
 }
 
 
+def _check_switches(
+    scaling: Any, allow_fp16: Any, min_scale: Any, max_scale: Any, hysteresis: Any
+) -> None:
+    """The constructor's scaling and allow_fp16, and the policy a guard has no use for."""
+    if type(scaling) is not bool:
+        raise TypeError(f"GradScaler: scaling must be True or False, got {scaling!r}")
+    if type(allow_fp16) is not bool:
+        raise TypeError(f"GradScaler: allow_fp16 must be True or False, got {allow_fp16!r}")
+    if not scaling and (min_scale is not None or max_scale is not None or hysteresis != 1):
+        raise ValueError(
+            "GradScaler(scaling=False) keeps the scale at 1.0, so min_scale, max_scale and "
+            "hysteresis have nothing to act on; leave them at their defaults"
+        )
+
+
 def _check_stage(method: str, stage: OptState) -> None:
     message = _STAGE_ERRORS.get((method, stage))
     if message is not None:
@@ -216,15 +231,7 @@ class GradScaler(torch.amp.GradScaler):
         found_inf_group: Any = _dist.NO_GROUP,
     ) -> None:
         found_inf_groups = _dist.check_found_inf_group(type(self).__name__, found_inf_group)
-        if type(scaling) is not bool:
-            raise TypeError(f"GradScaler: scaling must be True or False, got {scaling!r}")
-        if type(allow_fp16) is not bool:
-            raise TypeError(f"GradScaler: allow_fp16 must be True or False, got {allow_fp16!r}")
-        if not scaling and (min_scale is not None or max_scale is not None or hysteresis != 1):
-            raise ValueError(
-                "GradScaler(scaling=False) keeps the scale at 1.0, so min_scale, max_scale and "
-                "hysteresis have nothing to act on; leave them at their defaults"
-            )
+        _check_switches(scaling, allow_fp16, min_scale, max_scale, hysteresis)
         try:
             super().__init__(
                 device=device,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampfused
-import ampfused.grad_scaler
+import ampfused._scale_state
 
 TorchScaler = torch.amp.GradScaler
 FusedScaler = ampfused.GradScaler
@@ -116,7 +116,7 @@ def torch_state_dict(scaler: torch.amp.GradScaler) -> dict[str, Any]:
     """scaler.state_dict() less ampfused's own entry (policy and counters, which torch's scaler
     does not have; tests/test_scale_policy.py checks it): what must equal torch's."""
     state = scaler.state_dict()
-    state.pop(ampfused.grad_scaler._CHECKPOINT_KEY, None)
+    state.pop(ampfused._scale_state.CHECKPOINT_KEY, None)
     return state
 
 

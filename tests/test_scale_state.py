@@ -2,7 +2,8 @@
 bit for bit (the harness: _scaler_harness.py): state_dict and checkpoints loaded across the two
 classes and mid-iteration, pickling and deepcopy, changes to the scale, the growth tracker, the
 factors and found_inf between step() and update(), replaced _scale/_growth_tracker tensors, and
-update(new_scale).
+update(new_scale); and the state alone (``ampfused._scale_state.ScaleState``), with no
+optimizer, against ``ampfused.reference.update_state``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from _scaler_harness import (
     multi_step,
     torch_state_dict,
 )
+
+from ampfused import reference
+from ampfused._scale_state import ScaleState
 
 
 # ------------------------------------------------------------------------------- state_dict
@@ -284,3 +288,92 @@ def test_update_new_scale_invalid(device, bad):
     assert scale_a == scale_t == 8.0
     # torch's wording first, then what was given
     assert msg_a.startswith(msg_t) and len(msg_a) > len(msg_t), (msg_t, msg_a)
+
+
+# ------------------------------------------------------------------------------- the state alone
+# ScaleState (ampfused/_scale_state.py) driven directly, with no optimizer and no scaler: found_inf
+# tensors in, the rule's state out, against ampfused.reference.update_state.
+_RULE = (2.0, 0.5, 2)  # growth_factor, backoff_factor, growth_interval
+_FOUND_SEQUENCE = [0, 1, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+
+
+def _state_on(device: str, policy=(2.0**2, 2.0**5, 2, "clamp")) -> tuple[ScaleState, Any, Any]:
+    state = ScaleState(policy)
+    scale, tracker = state.make(2.0**4, 0, torch.device(device))
+    return state, scale, tracker
+
+
+def test_scale_state_follows_the_reference_rule(device):
+    state, scale, tracker = _state_on(device)
+    want = reference.state_to_list(state.tensor)
+    assert want == [2.0**4, 0, 2, 0, 0, 0, 0, 0, 0]
+    for i, found in enumerate(_FOUND_SEQUENCE):
+        flag = torch.full((), float(found), device=device)
+        assert state.prepare_next(state.take_pending(), scale, tracker, _RULE, [flag], False)
+        state.commit(scale, tracker)
+        want = reference.update_state(want, bool(found), *_RULE, 2.0**2, 2.0**5, 2)
+        assert reference.state_to_list(state.tensor) == want, i
+        assert state.owns(scale, tracker) and float(scale) == want[0]
+    # every branch of the policy was met: growth held at max_scale, backoffs held at min_scale
+    assert state.counters()["floor_hits"] > 0 and float(scale) <= 2.0**5
+
+
+def test_scale_state_pending_update_holds_only_while_its_inputs_do(device):
+    state, scale, tracker = _state_on(device)
+    flag = torch.zeros((), device=device)
+    pending = state.start_pending(scale, tracker, _RULE)
+    pending.note(flag)
+    assert state.pending_holds(pending, scale, tracker, _RULE, [flag])
+    assert not state.pending_holds(pending, scale, tracker, (2.0, 0.5, 3), [flag])
+    assert not state.pending_holds(pending, scale, tracker, _RULE, [flag, flag.clone()])
+    assert not state.pending_holds(pending, scale, tracker, _RULE, [flag.clone()])
+    flag.add_(0.0)  # written since the pass: its version moved
+    assert not state.pending_holds(pending, scale, tracker, _RULE, [flag])
+    pending = state.start_pending(scale, tracker, _RULE)
+    pending.note(flag)
+    scale.mul_(1.0)
+    assert not state.pending_holds(pending, scale, tracker, _RULE, [flag])
+    assert state.take_pending() is pending and state.pending is None
+
+
+def test_scale_state_commits_into_replaced_tensors(device):
+    state, _, _ = _state_on(device)
+    scale = torch.full((), 2.0**3, device=device)
+    tracker = torch.full((), 1, dtype=torch.int32, device=device)
+    assert not state.owns(scale, tracker)
+    found = torch.zeros((), device=device)
+    assert state.compute_next(scale, tracker, _RULE, [found], in_place=False)
+    state.commit(scale, tracker)
+    # The rule ran on the replaced values; the counters are the state's own.
+    assert float(scale) == 2.0**4 and int(tracker) == 0
+    assert state.counters() == {
+        "steps": 1,
+        "skipped_steps": 0,
+        "consecutive_skips": 0,
+        "growths": 1,
+        "backoffs": 0,
+        "floor_hits": 0,
+        "hysteresis_left": 2,
+    }
+    # A replacement of another dtype only torch's update can handle.
+    assert not state.compute_next(scale.double(), tracker, _RULE, [found], in_place=False)
+
+
+def test_scale_state_pickles_its_policy_and_counters(device):
+    state, scale, tracker = _state_on(device, (None, 2.0**8, 3, "clamp"))
+    for found in (1, 0, 1):
+        flag = torch.full((), float(found), device=device)
+        state.prepare_next(state.take_pending(), scale, tracker, _RULE, [flag], False)
+        state.commit(scale, tracker)
+    counters = state.counter_values()
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.tensor is None and copy.pending is None  # made again lazily
+    assert (copy.min_scale, copy.max_scale, copy.hysteresis, copy.at_min_scale) == (
+        None,
+        2.0**8,
+        3,
+        "clamp",
+    )
+    copy.make(float(scale), int(tracker), torch.device(device))
+    assert reference.state_to_list(copy.tensor) == reference.state_to_list(state.tensor)
+    assert copy.counter_values() == counters

@@ -407,11 +407,8 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
             cells.append(("-" if d < 0 else "") + fmt_time(abs(d)))
         return " / ".join(cells)
 
-    ratios = [
-        ("torch-dist / ampfused-dist", "torch-dist", "ampfused-dist"),
-        ("torch-fsdp2 / ampfused-fsdp2", "torch-fsdp2", "ampfused-fsdp2"),
-        ("torch / ampfused", "torch", "ampfused"),
-        ("ampfused-dist / floor", "ampfused-dist", "floor-mul"),
-    ]
+    pairs = (("torch-dist", "ampfused-dist"), ("torch-fsdp2", "ampfused-fsdp2"))
+    pairs += (("torch", "ampfused"), ("ampfused-dist", "floor-mul"))
+    ratios = [(f"{x} / {y}", x, y) for x, y in pairs]
     extra = [("collective adds: ampfused / torch", added)]
     return _table(records, METHOD_NAMES, ratios, extra, tablefmt)

@@ -1,10 +1,16 @@
 """The ampfused benchmark suite: ``python -m benchmarks --help``.
 
-Modules: :mod:`~benchmarks.workloads` (shape lists and gradient sets), :mod:`~benchmarks.methods`
-(what is compared), :mod:`~benchmarks.timing` (interleaved synchronized timing),
-:mod:`~benchmarks.profiling` (op counts), :mod:`~benchmarks.suite` (records), one ``bench_*``
-module per question plus :mod:`~benchmarks.step_cost`, :mod:`~benchmarks.targets`,
-:mod:`~benchmarks.report`, :mod:`~benchmarks.results_io` (the results files) and
-:mod:`~benchmarks.compare` (two runs side by side).  Results live in
-``benchmarks/results/<device>/``.
+- ``__main__``      the command: runs the questions, prints and writes what they measured
+- ``questions``     the single-process questions: their gradient sets, methods and tables
+- ``distributed``   the 2-process question (gloo); ``e2e`` a small GPT trained under each scaler
+- ``instructions``  host cost in instructions (``--only instructions``, or on its own)
+- ``methods``       what is compared: one runner per method, the registry
+- ``workloads``     shape lists (GPT-2, Llama, ResNet-50, BERT, ViT) and gradient sets
+- ``timing``        interleaved timing: per step (CPU) and batched (GPU)
+- ``suite``         one workload's methods timed into records; profiler and bytecode counts
+- ``report``        number formats, tables, plots; ``targets`` our own performance targets
+- ``compare``       the results files, and ``python -m benchmarks.compare OLD NEW``
+- ``env``           the environment header and device helpers
+
+Results live in ``benchmarks/results/<device>/``.
 """

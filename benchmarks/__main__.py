@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -15,63 +16,44 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import (
-    bench_clip,
-    bench_counts,
-    bench_diagnostics,
-    bench_distributed,
-    bench_e2e,
-    bench_masters,
-    bench_models,
-    bench_sizes,
-    report,
-    results_io,
-    step_cost,
-)
+from benchmarks import compare, distributed, e2e, report
 from benchmarks import targets as tg
-from benchmarks.env import RESULTS, CpuShare, default_device, device_slug, header, is_gpu
+from benchmarks.env import REPO, RESULTS, CpuShare, default_device, device_slug, header, is_gpu
 from benchmarks.methods import COMPARED, METHODS, select
+from benchmarks.questions import QUESTIONS, render
 from benchmarks.suite import Context, Record
 from benchmarks.timing import FULL_TIMING, QUICK_TIMING, TIMING_MODES, batched
 from benchmarks.workloads import DTYPE_NAMES, MODELS
 
-QUESTIONS = (
-    "step_cost",
-    "diagnostics",
-    "clip",
-    "masters",
-    "distributed",
-    "models",
-    "counts",
-    "sizes",
-    "e2e",
-)
+TITLES = {q.name: q.title for q in QUESTIONS.values()}
+TITLES["distributed"] = "Distributed: a step with found_inf all-reduced across 2 CPU processes"
+TITLES["e2e"] = "End-to-end: small GPT, float16 autocast, each scaler"
+TITLES["instructions"] = "Host cost in instructions per call (torch on one thread)"
+ORDER = ("step_cost", "diagnostics", "clip", "masters", "distributed", "models", "counts")
+ORDER += ("sizes", "e2e", "instructions")
+# Not in the default set: under callgrind (no hardware counter) it takes minutes.
+DEFAULT = ORDER[:-1]
 
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive Python
 loop, ampfused's raw op and (when importable, on GPU) apex, with the memory floor measured in
-the same run.  Questions:
-  step_cost  per-step cost on the four gradient sets of the CPU targets (3000 x 16, 1000 x 1K,
-             GPT-2 124M, 4 x 16M fp32), checked against the targets
-  diagnostics  the scaler's pass with per-gradient statistics (watch, grad_norms()) vs the
-             plain pass and vs torch's scaler + per-layer norms by hand (GPT-2 124M, 4 x 16M;
-             100 to 3000 tiny tensors for the host cost), checked against the targets
-  clip       GradScaler.clip_grad_norm_ (unscale + clip, two passes) vs torch's unscale_ +
-             clip_grad_norm_ (GPT-2 124M, 4 x 16M, 1000 x 1K), checked against the target
-  masters    float16 parameters with float32 masters: MasterWeights + GradScaler vs the recipe
-             by hand with torch's scaler (GPT-2 124M, 4 x 16M, 1000 x 1K, float16)
-  distributed  2 CPU processes (gloo, 1 thread each): a step with found_inf all-reduced over
-             the world group, torch's ShardedGradScaler vs ampfused.ShardedGradScaler and
-             ampfused.GradScaler(found_inf_group=WORLD), beside both scalers without the
-             collective, the all-reduce alone and the floor (4 x 4M, 300 x 16K, 1000 x 16)
-  models     GPT-2 124M, Llama-style 1B (7B on GPU), ResNet-50, BERT-base, ViT-B/16 gradient
-             sets x dtypes (fp32, fp16, bf16, mixed) x with/without an injected inf
-  counts     1 to 10,000 tensors of 16 and 1024 elements
-  sizes      8 tensors of 16 to 2^28 elements (capped on CPU)
-  e2e        a small GPT trained with float16 autocast under each scaler: step time, loss curves
-Writes a console table, results.jsonl (one line per record, committed), results.json (every
-field, git-ignored), results.md and PNG plots to benchmarks/results/<device>/ (<device>/quick/
-with --quick).  A full run takes under 10 minutes on a 2-core CPU, --quick under a minute.
+the same run.  Questions (benchmarks/questions.py, distributed.py, e2e.py, instructions.py):
+  step_cost    per-step cost on 3000 x 16, 1000 x 1K, GPT-2 124M and 4 x 16M fp32
+  diagnostics  the pass with per-gradient statistics (watch, grad_norms()) vs the plain pass
+               and vs torch's scaler + per-layer norms by hand
+  clip         GradScaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_
+  masters      float16 parameters, float32 masters: MasterWeights vs the recipe by hand
+  distributed  2 CPU processes (gloo): found_inf all-reduced; sharded and FSDP2 (DTensor)
+  models       GPT-2, Llama-style 1B (7B on GPU), ResNet-50, BERT-base x dtypes x inf
+  counts       1 to 10,000 tensors of 16 and 1024 elements
+  sizes        8 tensors of 16 to 2^28 elements (capped on CPU)
+  e2e          a small GPT trained with float16 autocast under each scaler
+  instructions host cost in instructions per call (perf counter, else callgrind: minutes);
+               only when named (--only instructions)
+Prints a summary of how ampfused compares, one table per question, then ampfused's own
+performance targets; writes results.jsonl (committed), results.json (git-ignored), results.md
+and PNG plots to benchmarks/results/<device>/ (<device>/quick/ with --quick).  A full run takes
+under 10 minutes on a 2-core CPU, --quick under a minute.
 python -m benchmarks.compare OLD NEW lists the rows that got slower between two runs."""
 
 
@@ -92,67 +74,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="short run (< 1 min on CPU), same outputs")
-    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument(
-        "--only",
-        type=_csv(QUESTIONS),
-        metavar="Q[,Q]",
-        help=f"questions to run (default: all): {', '.join(QUESTIONS)}",
-    )
-    p.add_argument(
+    add = p.add_argument
+    add("--quick", action="store_true", help="short run (< 1 min on CPU), same outputs")
+    add("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    add("--only", type=_csv(ORDER), metavar="Q[,Q]", help=f"questions: {', '.join(ORDER)}")
+    add(
         "--workloads",
         type=_csv(tuple(MODELS)),
         metavar="W[,W]",
-        help=f"model gradient sets for the models question: {', '.join(MODELS)}",
+        help="models: " + ", ".join(MODELS),
     )
-    p.add_argument(
-        "--methods",
-        type=_csv(COMPARED),
-        metavar="M[,M]",
-        help=f"methods to compare (floors always run): {', '.join(COMPARED)}",
-    )
-    p.add_argument(
+    add("--methods", type=_csv(COMPARED), metavar="M[,M]", help="methods (floors always run)")
+    add(
         "--dtypes",
         type=_csv(DTYPE_NAMES),
         metavar="D[,D]",
-        help="gradient dtypes for models (default all) and the sweeps (default fp32): "
-        + ", ".join(DTYPE_NAMES),
+        help="models (default all), sweeps (fp32)",
     )
-    p.add_argument(
-        "--inf",
-        choices=("both", "no", "yes"),
-        help="models question: with and/or without one injected inf (default: both)",
-    )
-    p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<device>)")
-    p.add_argument(
+    add("--inf", choices=("both", "no", "yes"), help="models: with/without an injected inf")
+    add("--out", type=Path, help="output folder (default: benchmarks/results/<device>)")
+    add(
         "--timing",
         choices=TIMING_MODES,
         default="auto",
         help="per-step: one synchronized sample per step; batched: loops of steps with one "
         "sync at the end, restores subtracted (default auto: batched on GPU, per-step on CPU)",
     )
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiler op counts")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--list", action="store_true", help="list questions, workloads, methods; exit")
+    add("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    add("--no-profile", action="store_true", help="skip the profiler op counts")
+    add("--no-plots", action="store_true", help="skip the PNG plots")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("--list", action="store_true", help="list questions, workloads, methods; exit")
     return p.parse_args(argv)
 
 
 def list_everything() -> None:
-    print("questions:", ", ".join(QUESTIONS))
+    print("questions:", ", ".join(ORDER))
     print("model workloads:")
     for m in MODELS.values():
-        shapes = m.shapes()
-        n = sum(torch.Size(s).numel() for s in shapes)
+        n = sum(torch.Size(s).numel() for s in m.shapes())
+        gpu = "  (GPU only)" if m.gpu_only else ""
         print(
-            f"  {m.name:10s} {m.title:16s} {len(shapes):4d} tensors {n:>14,d} parameters"
-            + ("  (GPU only)" if m.gpu_only else "")
+            f"  {m.name:10s} {m.title:16s} {len(m.shapes()):4d} tensors {n:>14,d} parameters{gpu}"
         )
     print("methods:")
     for m in METHODS.values():
-        print(f"  {m.name:14s} [{m.kind}] {m.description}")
+        print(f"  {m.name:16s} [{m.kind}] {m.description}")
     print("dtypes:", ", ".join(DTYPE_NAMES))
 
 
@@ -168,12 +135,13 @@ class Run:
     ctx: Context
     hdr: dict[str, Any]
     notes: list[str] = field(default_factory=list)
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, list] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     e2e: dict[str, Any] | None = None
+    instructions: str | None = None
     errors: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
-    others: dict[str, float | None] = field(default_factory=dict)  # CPU share of other processes
+    others: dict[str, float | None] = field(default_factory=dict)  # CPU share of others
     total_share: float | None = None
     elapsed: float = 0.0
     cpu_t: list[tg.TargetResult] | None = None
@@ -193,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     run = environment(args, argv)
     if run is None:
         return 2
-    plan_questions(run)
     run_questions(run)
     collect_notes(run)
-    judge_targets(run)
-    print_console(run)
-    write_plots(run)
+    if run.gpu:
+        run.gpu_t = tg.gpu_targets(run.records, run.e2e)
+    else:
+        run.cpu_t = tg.cpu_targets(run.records, run.questions) or None
+    print()
+    for title, body in sections(run, "simple"):
+        print(f"== {title} ==\n{body}\n" if title else body)
     write_results(run)
     return 1 if run.errors else 0
 
@@ -214,8 +185,7 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
         return None
     out = args.out or (RESULTS / device_slug(device) / ("quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks" + ("" if argv is None and len(sys.argv) < 2 else " ")
-    command += " ".join(argv if argv is not None else sys.argv[1:])
+    given = sys.argv[1:] if argv is None else argv
     ctx = Context(
         device=device,
         timing=dataclasses.replace(QUICK_TIMING if args.quick else FULL_TIMING, mode=args.timing),
@@ -223,160 +193,81 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
         quick=args.quick,
         profile=not args.no_profile,
     )
-    run = Run(args, device, out, args.only or list(QUESTIONS), command.strip(), ctx, header(device))
+    command = " ".join(["python -m benchmarks", *given])
+    run = Run(args, device, out, args.only or list(DEFAULT), command, ctx, header(device))
+    n = run.notes
     if not run.gpu:
-        run.notes.append(
-            "No GPU: device time (CUDA events), the device-copy floor, kernel launches and host "
-            "syncs are GPU-only and skipped; the op columns report dispatcher ops and .item() "
-            "calls per step from torch.profiler (each .item() is a blocking host sync on a GPU). "
-            "GPU targets: benchmarks/results/gpu-targets.md (not yet measured)."
+        n.append(
+            "No GPU: device time, the device-copy floor, kernel launches and host syncs are "
+            "GPU-only; the op columns give dispatcher ops and .item() calls per step (each "
+            ".item() is a blocking host sync on a GPU)."
         )
     if METHODS["apex"].present(device) is False:
-        run.notes.append(
-            "apex (amp_C.multi_tensor_scale): "
-            + (
-                "not importable, column skipped"
-                if run.hdr["apex"] != "available"
-                else "GPU only, skipped"
-            )
-        )
-    run.notes.append(
-        "float16 and mixed workloads: both scalers unscale float16 grads in place, torch's "
-        "through its private _unscale_grads_(allow_fp16=True), ampfused's with "
-        "GradScaler(allow_fp16=True); by default unscale_ raises ValueError for float16 grads, "
-        "as in torch. mixed = each tensor fp32, bf16 or fp16 at random (fixed seed)."
+        why = "GPU only" if run.hdr["apex"] == "available" else "not importable"
+        n.append(f"apex (amp_C.multi_tensor_scale): {why}, column skipped")
+    n.append(
+        "float16 and mixed workloads: both scalers unscale float16 grads in place (torch's "
+        "private allow_fp16 path, ampfused's GradScaler(allow_fp16=True)). mixed = each tensor "
+        "fp32, bf16 or fp16 at random (fixed seed)."
     )
     if run.gpu:
-        run.notes.append(
-            "torch's CUDA unscale kernel has no bfloat16: torch and torch-ops are n/a on "
-            "bf16 and mixed workloads."
+        n.append(
+            "torch's CUDA unscale kernel has no bfloat16: torch, torch-ops n/a on bf16, mixed."
         )
-    run.notes.append(
+    n.append(
         "Gradients are restored from a pristine copy and every scale reset to 2^16 before each "
         "timed step (untimed). torch-ops groups the lists by dtype once, outside the timing."
     )
     if batched(ctx.timing, device):
-        run.notes.append(
+        n.append(
             "Batched timing: each sample times a loop of consecutive steps (restore, reset, "
             "step) with one synchronization at the end, minus the same loop without the step; "
-            "the restores run on the device's stream like the rest, and their cost per step is "
-            "reported as 'restore (subtracted)'. A step with a host sync inside it (both "
-            "scalers' step(), naive, apex) drains the device every step, as in training."
+            "the restores' cost per step is 'restore (subtracted)'. A step with a host sync "
+            "inside it (both scalers' step(), naive, apex) drains the device every step."
         )
+    for q in run.questions:
+        if q in QUESTIONS:
+            run.plan[q] = QUESTIONS[q].plan(ctx, args)
+            n += QUESTIONS[q].notes(ctx, args)
     return run
 
 
-def plan_questions(run: Run) -> None:
-    """Each question's configurations, planned before any runs so the progress bar has a total."""
-    args, ctx = run.args, run.ctx
-    if "step_cost" in run.questions:
-        run.plan["step_cost"] = len(step_cost.WORKLOADS)
-    if "diagnostics" in run.questions:
-        run.plan["diagnostics"] = len(bench_diagnostics.workloads(ctx))
-    if "clip" in run.questions:
-        run.plan["clip"] = len(bench_clip.workloads(ctx))
-    if "masters" in run.questions:
-        run.plan["masters"] = len(bench_masters.workloads(ctx))
-    if "distributed" in run.questions:
-        run.plan["distributed"] = len(bench_distributed.workloads(ctx))
-    if "models" in run.questions:
-        infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
-        run.plan["models"], notes = bench_models.configs(ctx, args.workloads, args.dtypes, infs)
-        run.notes += notes
-    if "counts" in run.questions:
-        run.plan["counts"] = bench_counts.configs(ctx, args.dtypes)
-    if "sizes" in run.questions:
-        run.plan["sizes"], notes = bench_sizes.configs(ctx, args.dtypes)
-        run.notes += notes
-
-
-def _target_ctx(run: Run) -> Context:
-    # More samples than the sweeps (step_cost.TIMING): targets are stated on these rows.
-    timing = step_cost.QUICK_TIMING if run.args.quick else step_cost.TIMING
-    return dataclasses.replace(run.ctx, timing=dataclasses.replace(timing, mode=run.args.timing))
-
-
-def run_step_cost(run: Run) -> None:
-    run.records += step_cost.measure(_target_ctx(run))
-
-
-def run_diagnostics(run: Run) -> None:
-    run.records += bench_diagnostics.run(_target_ctx(run))
-
-
-def run_clip(run: Run) -> None:
-    run.records += bench_clip.run(_target_ctx(run))
-
-
-def run_masters(run: Run) -> None:
-    run.records += bench_masters.run(_target_ctx(run))
-
-
-def run_distributed(run: Run) -> None:
-    # Its own timing (lock-step rounds in two processes; bench_distributed.TIMING).
-    run.records += bench_distributed.run(run.ctx)
-
-
-def run_models(run: Run) -> None:
-    run.records += bench_models.run(run.ctx, run.plan["models"])
-
-
-def run_counts(run: Run) -> None:
-    run.records += bench_counts.run(run.ctx, run.plan["counts"])
-
-
-def run_sizes(run: Run) -> None:
-    run.records += bench_sizes.run(run.ctx, run.plan["sizes"])
-
-
-def run_e2e(run: Run) -> None:
-    res = bench_e2e.run(run.ctx)
-    run.e2e = {
-        "config": res.config,
-        "n_params": res.n_params,
-        "n_param_tensors": res.n_param_tensors,
-        "runs": res.runs,
-        "comparisons": res.comparisons,
-    }
-
-
-QUESTION_STEPS = {
-    "step_cost": run_step_cost,
-    "diagnostics": run_diagnostics,
-    "clip": run_clip,
-    "masters": run_masters,
-    "distributed": run_distributed,
-    "models": run_models,
-    "counts": run_counts,
-    "sizes": run_sizes,
-    "e2e": run_e2e,
-}
+def run_question(run: Run, q: str) -> None:
+    if q in QUESTIONS:
+        run.records += QUESTIONS[q].run(run.ctx, run.plan[q])
+    elif q == "distributed":  # its own timing: lock-step rounds in two processes
+        run.records += distributed.run(run.ctx)
+    elif q == "e2e":
+        run.e2e = dataclasses.asdict(e2e.run(run.ctx))
+    elif q == "instructions":  # a process of its own: it may re-run itself under callgrind
+        cmd = [sys.executable, "-m", "benchmarks.instructions", "--out", str(run.out)]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"exit {done.returncode}: {(done.stderr or done.stdout)[-500:]}")
+        run.instructions = done.stdout.strip()
+        run.ctx.tick()
 
 
 def run_questions(run: Run) -> None:
     """Each question in turn under one progress bar, timing it and the CPU share other
     processes took meanwhile; a question that raises is reported and the next one runs."""
-    total = sum(v if isinstance(v, int) else len(v) for v in run.plan.values())
-    if "e2e" in run.questions:
-        total += bench_e2e.steps_total(run.ctx)
-    hdr = run.hdr
+    sizes = {"distributed": len(distributed.WORKLOADS), "instructions": 1}
+    sizes["e2e"] = e2e.preset(run.device, run.args.quick).steps
+    total = sum(len(run.plan[q]) if q in run.plan else sizes[q] for q in run.questions)
+    h = run.hdr
     print(
-        f"ampfused benchmarks on {hdr['device_name']} ({run.device}), torch {hdr['torch']}, "
-        f"commit {hdr['git_commit']}, {hdr['torch_threads']} threads -> {run.out}",
+        f"ampfused benchmarks on {h['device_name']} ({run.device}), torch {h['torch']}, "
+        f"commit {h['git_commit']}, {h['torch_threads']} threads -> {run.out}",
         flush=True,
     )
-    t_start = time.perf_counter()
-    run_share = CpuShare().start()
-    bar = tqdm(
-        total=total, unit="cfg", disable=run.args.no_progress, mininterval=0.5, file=sys.stderr
-    )
+    t_start, run_share = time.perf_counter(), CpuShare().start()
+    bar = tqdm(total=total, unit="cfg", disable=run.args.no_progress, mininterval=0.5)
     run.ctx.progress = bar
     for q in run.questions:
         bar.set_description(q)
-        t0 = time.perf_counter()
-        share = CpuShare().start()
+        t0, share = time.perf_counter(), CpuShare().start()
         try:
-            QUESTION_STEPS[q](run)
+            run_question(run, q)
         except Exception as e:  # noqa: BLE001 - one broken question must not hide the others
             bar.write(traceback.format_exc())
             run.errors.append(f"{q}: {type(e).__name__}: {e}")
@@ -388,8 +279,7 @@ def run_questions(run: Run) -> None:
 
 
 def collect_notes(run: Run) -> None:
-    """Notes and errors the runs produced: other processes' CPU share, realloc rows, records
-    that failed."""
+    """Other processes' CPU share, the realloc rows' note, the records that failed."""
     share, others = run.total_share, run.others
     if share is not None:
         per_question = ", ".join(f"{q} {v:.0%}" for q, v in others.items() if v is not None)
@@ -399,100 +289,70 @@ def collect_notes(run: Run) -> None:
         if share > 0.05 and not run.gpu:
             run.notes.insert(
                 0,
-                f"Other processes (or hypervisor steal) used {share:.0%} of the CPU time "
-                f"during this run: CPU timings are disturbed (per question: {per_question}). "
-                "Rerun on an idle machine for clean numbers.",
+                f"Other processes (or hypervisor steal) used {share:.0%} of the CPU time during "
+                f"this run: CPU timings are disturbed (per question: {per_question}). Rerun on an "
+                "idle machine for clean numbers.",
             )
     if any(r.realloc for r in run.records):
         run.notes.append(
             "realloc rows: every restore replaces each gradient by a new tensor (zero_grad"
             "(set_to_none=True), then one allocation per parameter, last layer first, as "
-            "backward does); the note gives how often the allocator returned a different "
-            "pointer list (before ampfused passed its CUDA work list in the kernel parameters, a "
-            "changed list cost it a table rebuild)."
+            "backward does); the note gives how often the pointer list changed."
         )
     run.notes += run.ctx.notes
-    for r in run.records:
-        if r.status == "error":
-            run.errors.append(f"{r.question}:{r.workload} {r.dtype} {r.method}: {r.note}")
+    run.errors += [
+        f"{r.question}:{r.workload} {r.dtype} {r.method}: {r.note}"
+        for r in run.records
+        if r.status == "error"
+    ]
 
 
-def judge_targets(run: Run) -> None:
-    """CPU targets from a CPU run's step_cost and diagnostics records (plus the never-slower
-    check), GPU targets from a GPU run."""
-    if run.gpu:
-        run.gpu_t = tg.gpu_targets(run.records, run.e2e)
-        return
-    cpu_t = tg.cpu_targets(run.records) if "step_cost" in run.questions else None
-    if "diagnostics" in run.questions:
-        cpu_t = (cpu_t or []) + tg.diagnostics_targets(run.records)
-    if "clip" in run.questions:
-        cpu_t = (cpu_t or []) + [tg.clip_target(run.records)]
-    cpu_info = tg.never_slower(run.records) if run.records else None
-    if cpu_t is not None and cpu_info is not None:
-        cpu_info.name = "(info) never slower than torch"
-        cpu_t = [*cpu_t, cpu_info]
-    run.cpu_t = cpu_t
-
-
-def print_console(run: Run) -> None:
-    print()
-    print(report.header_table(run.hdr, "simple"))
-    for q in report.QUESTION_TITLES:
+def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
+    """What the console and results.md show, in order: how ampfused compares, a table per
+    question, notes, errors, then ampfused's own targets."""
+    h = run.hdr
+    md = tablefmt == "github"
+    out = []
+    if md:
+        out.append(("", f"# ampfused benchmarks: {h['device_name']}\n"))
+        out.append(
+            ("", f"`{run.command}`, {run.elapsed:.0f} s. {report.method_text(run.records)}\n")
+        )
+    out.append(("Environment", report._grid([[k, v] for k, v in h.items()], ["", ""], tablefmt)))
+    lines = report.comparisons(run.records, run.e2e)
+    if lines:
+        out.append(("How ampfused compares", "\n".join(f"- {x}" for x in lines)))
+    for q in ORDER:
         recs = [r for r in run.records if r.question == q]
-        if recs:
-            print(f"\n== {report.QUESTION_TITLES[q]} ==")
-            if q == "step_cost":
-                print(step_cost.table(recs))
-            elif q == "diagnostics":
-                print(bench_diagnostics.table(recs))
-            elif q == "clip":
-                print(bench_clip.table(recs))
-            elif q == "masters":
-                print(bench_masters.table(recs))
-            elif q == "distributed":
-                print(bench_distributed.table(recs))
-            else:
-                print(report.pivot(recs, run.gpu, "simple"))
-    if run.e2e:
-        print("\n== End-to-end small GPT, float16 autocast ==")
-        print(report.e2e_table(run.e2e, "simple"))
+        body = render(q, recs, run.gpu, tablefmt) if recs else ""
+        if q == "e2e" and run.e2e:
+            body = report.e2e_text(run.e2e) + "\n\n" + report.e2e_table(run.e2e, tablefmt)
+        if q == "instructions" and run.instructions:
+            body = f"```\n{run.instructions}\n```" if md else run.instructions
+        if body:
+            plot = f"![{q}]({run.plots[q].name})\n\n" if md and q in run.plots else ""
+            out.append((TITLES[q], plot + body))
     if run.notes:
-        print("\nNotes:")
-        for n in run.notes:
-            print(" -", n)
-    if run.cpu_t:
-        n_pass = sum(1 for t in run.cpu_t if t.passed)
-        print(f"\n== CPU targets: {n_pass}/{len(run.cpu_t)} pass ==")
-        print(report.targets_table(run.cpu_t, "simple"))
-    if run.gpu_t:
-        print("\n== GPU targets ==")
-        print(report.targets_table(run.gpu_t, "simple"))
+        out.append(("Notes", "\n".join(f"- {x}" for x in run.notes)))
     if run.errors:
-        print("\nErrors:")
-        for e in run.errors:
-            print(" -", e)
-
-
-def write_plots(run: Run) -> None:
-    """The PNG plots (unless --no-plots); a plot that fails is an error, not the end."""
-    if run.args.no_plots:
-        return
-    hdr = run.hdr
-    title = f"ampfused benchmarks, {hdr['device_name']}, torch {hdr['torch']}, {hdr['git_commit']}"
-    for key, fn, data in (
-        ("counts", report.plot_counts, run.records),
-        ("sizes", report.plot_sizes, run.records),
-        ("models", report.plot_models, run.records),
-        ("e2e", report.plot_e2e, run.e2e),
-    ):
-        try:
-            path = fn(data, run.out / f"{key}.png", title)  # type: ignore[operator]
-        except Exception as e:  # noqa: BLE001
-            run.errors.append(f"plot {key}: {type(e).__name__}: {e}")
-            continue
-        if path is not None:
-            run.plots[key] = path
+        out.append(("Errors", "\n".join(f"- {x}" for x in run.errors)))
+    for kind, results in (("CPU", run.cpu_t), ("GPU", run.gpu_t)):
+        if results:
+            met = sum(1 for t in results if t.passed)
+            body = report.TARGETS_INTRO + "\n\n" + report.targets_table(results, tablefmt)
+            out.append((f"Our {kind} performance targets: {met} of {len(results)} met", body))
+    if md and not run.gpu:
+        link = os.path.relpath(RESULTS / "gpu-targets.md", run.out)
+        out.append(("", f"GPU targets: see [{link}]({link}).\n"))
+    if md:
+        out.append(
+            ("Methods", "\n".join(f"- **{m.name}**: {m.description}" for m in METHODS.values()))
+        )
+        for q in ORDER:
+            recs = [r for r in run.records if r.question == q]
+            if recs:
+                out.append((f"All records: {q}", report.details(recs, tablefmt)))
+    return out
 
 
 def payload(run: Run) -> dict[str, Any]:
@@ -507,8 +367,7 @@ def payload(run: Run) -> dict[str, Any]:
         "notes": run.notes,
         "errors": run.errors,
         "methods": {
-            m.name: {"label": m.label, "kind": m.kind, "description": m.description}
-            for m in METHODS.values()
+            m.name: {"kind": m.kind, "description": m.description} for m in METHODS.values()
         },
         "targets": {
             "cpu": [t.__dict__ for t in run.cpu_t] if run.cpu_t else None,
@@ -520,33 +379,20 @@ def payload(run: Run) -> dict[str, Any]:
 
 
 def write_results(run: Run) -> None:
-    """results.json (full, git-ignored), results.jsonl (compact, committed), results.md and,
-    inside benchmarks/results, gpu-targets.md."""
-    written = results_io.write(run.out, payload(run))
-    (run.out / "results.md").write_text(
-        report.markdown(
-            header=run.hdr,
-            command=run.command,
-            elapsed_s=run.elapsed,
-            notes=run.notes,
-            records=run.records,
-            cpu_targets=run.cpu_t,
-            gpu_targets=run.gpu_t,
-            e2e=run.e2e,
-            plots=run.plots,
-            gpu=run.gpu,
-            errors=run.errors,
-            gpu_targets_link=os.path.relpath(RESULTS / "gpu-targets.md", run.out),
-        )
-    )
+    """Plots (unless --no-plots), results.json, results.jsonl, results.md and, inside
+    benchmarks/results, gpu-targets.md."""
+    if not run.args.no_plots:
+        title = f"ampfused benchmarks, {run.hdr['device_name']}, torch {run.hdr['torch']}, "
+        try:
+            run.plots = report.plots(run.records, run.out, title + run.hdr["git_commit"])
+        except Exception as e:  # noqa: BLE001 - a plot that fails is an error, not the end
+            run.errors.append(f"plots: {type(e).__name__}: {e}")
+    written = compare.write(run.out, payload(run))
+    md = "\n".join(f"## {t}\n\n{b}\n" if t else b for t, b in sections(run, "github"))
+    (run.out / "results.md").write_text(md)
     write_gpu_targets(run)
-    print(
-        f"\nwrote {run.out}/"
-        + ", ".join(p.name for p in written)
-        + ", results.md"
-        + (f", {len(run.plots)} plots" if run.plots else "")
-        + f" in {run.elapsed:.0f} s"
-    )
+    names = ", ".join(p.name for p in written) + ", results.md"
+    print(f"wrote {run.out}/{names}, {len(run.plots)} plots in {run.elapsed:.0f} s")
 
 
 def write_gpu_targets(run: Run) -> None:

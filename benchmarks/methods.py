@@ -417,7 +417,6 @@ class CopyFloor(Runner):
 @dataclass(frozen=True)
 class Method:
     name: str
-    label: str
     kind: str  # scaler | op | floor
     description: str
     factory: Callable[[GradSet], Runner]
@@ -427,8 +426,8 @@ class Method:
     present: Callable[[torch.device], bool] = lambda d: True
     # On CPU, skipped for larger gradient sets (a quarter of this with --quick): time budget.
     max_cpu_bytes: int | None = None
-    # Run by the questions when no --methods is given (the diagnostics methods are not: the
-    # diagnostics question runs them, --methods adds them elsewhere).
+    # Run when no --methods is given; the others run in their own question (diagnostics, clip,
+    # masters, distributed) or when --methods names them.
     default: bool = True
 
 
@@ -452,10 +451,14 @@ def _float16_only_na(w: Workload, d: torch.device) -> str | None:
 
 def _dist_na(w: Workload, d: torch.device) -> str | None:
     if not dist.is_available() or not dist.is_initialized():
-        return (
-            "needs an initialized torch.distributed process group (the distributed question "
-            "runs it on 2 CPU processes)"
-        )
+        return "needs a torch.distributed process group (the distributed question has one)"
+    return None
+
+
+def _ampfused_na(w: Workload, d: torch.device) -> str | None:
+    params = inspect.signature(ampfused.GradScaler).parameters
+    if w.has(torch.float16) and "allow_fp16" not in params:
+        return "float16 grads: the scaler raises ValueError (no allow_fp16 option)"
     return None
 
 
@@ -471,226 +474,76 @@ def _ampfused_group_na(w: Workload, d: torch.device) -> str | None:
     return _ampfused_na(w, d) or _dist_na(w, d)
 
 
-def _ampfused_na(w: Workload, d: torch.device) -> str | None:
-    if (
-        w.has(torch.float16)
-        and "allow_fp16" not in inspect.signature(ampfused.GradScaler).parameters
-    ):
-        return "float16 grads: the scaler raises ValueError (no allow_fp16 option)"
-    return None
-
-
+_STEP = "+ step + update, no-op optimizer"
+_GLOO = "; 2 processes, gloo"
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method(
-            "ampfused",
-            "ampfused.GradScaler",
-            "scaler",
-            "ampfused.GradScaler: unscale_ + step + update, no-op optimizer",
-            _ampfused_scaler,
-            _ampfused_na,
-        ),
-        Method(
-            "torch",
-            "torch.amp.GradScaler",
-            "scaler",
-            "torch.amp.GradScaler: unscale_ + step + update, no-op optimizer",
-            _torch_scaler,
-            _torch_na,
-        ),
-        Method(
-            "ampfused-watch",
-            "ampfused.GradScaler, watched",
-            "scaler",
-            "ampfused.GradScaler after watch(parameters): unscale_ + step + update, the pass also "
-            "recording per-gradient norm, abs-max, inf/NaN/zero counts on the device",
-            WatchRunner,
-            _ampfused_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-norms",
-            "ampfused.GradScaler, watched + grad_norms()",
-            "scaler",
-            "ampfused-watch plus scaler.grad_norms() after unscale_ (one sync, dict of floats)",
-            lambda gs: WatchRunner(gs, read_norms=True),
-            _ampfused_na,
-            default=False,
-        ),
-        Method(
-            "torch-norms",
-            "torch.amp.GradScaler + per-layer norms",
-            "scaler",
-            "torch.amp.GradScaler: unscale_, torch._foreach_norm, .item() per layer and total, "
-            "step + update",
-            TorchNormsRunner,
-            _torch_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-clip",
-            "ampfused.GradScaler.clip_grad_norm_",
-            "scaler",
-            "ampfused.GradScaler: clip_grad_norm_(opt, max_norm) (unscale + clip, two passes) + "
-            "step + update",
-            lambda gs: ClipRunner(gs, fused=True),
-            _ampfused_na,
-            default=False,
-        ),
-        Method(
-            "torch-clip",
-            "torch.amp.GradScaler + clip_grad_norm_",
-            "scaler",
-            "torch.amp.GradScaler: unscale_, torch.nn.utils.clip_grad_norm_ (foreach), step + "
-            "update",
-            lambda gs: ClipRunner(gs, fused=False),
-            _torch_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-masters",
-            "ampfused.MasterWeights",
-            "scaler",
-            "ampfused.MasterWeights(no-op optimizer) + ampfused.GradScaler: unscale_ (float16 "
-            "gradients into float32 master gradients, one pass), step (copies the masters back) "
-            "+ update",
-            lambda gs: MastersRunner(gs, fused=True),
-            _float16_only_na,
-            default=False,
-        ),
-        Method(
-            "torch-masters",
-            "torch.amp.GradScaler + masters by hand",
-            "scaler",
-            "float32 masters by hand: _foreach_copy_ of the gradients, torch.amp.GradScaler "
-            "unscale_ + step + update, _foreach_copy_ of the masters back",
-            lambda gs: MastersRunner(gs, fused=False),
-            _float16_only_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-dist",
-            "ampfused.ShardedGradScaler",
-            "scaler",
-            "ampfused.ShardedGradScaler (world group): unscale_ (one pass, found_inf all-reduced "
-            "with SUM) + step + update, no-op optimizer; 2 processes, gloo",
-            lambda gs: ScalerRunner(ampfused.ShardedGradScaler, gs),
-            _ampfused_dist_na,
-            default=False,
-        ),
-        Method(
-            "torch-dist",
-            "torch ShardedGradScaler",
-            "scaler",
-            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (world group): "
-            "unscale_ (found_inf all-reduced with SUM) + step + update, no-op optimizer; 2 "
-            "processes, gloo",
-            lambda gs: ScalerRunner(_torch_sharded_cls(), gs),
-            _dist_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-group",
-            "ampfused.GradScaler, found_inf_group",
-            "scaler",
-            "ampfused.GradScaler(found_inf_group=dist.group.WORLD): unscale_ (one pass, found_inf "
-            "all-reduced with MAX) + step + update, no-op optimizer; 2 processes, gloo",
-            lambda gs: ScalerRunner(_ampfused_group_cls(gs), gs),
-            _ampfused_group_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-op",
-            "ampfused.ops.unscale_update_scale_",
-            "op",
-            "ampfused's raw op: unscale + check + pending scale update, one call",
-            AmpfusedOpRunner,
-        ),
-        Method(
-            "torch-ops",
-            "torch raw ops",
-            "op",
-            "torch._amp_foreach_non_finite_check_and_unscale_ per dtype + _amp_update_scale_",
-            TorchOpsRunner,
-            _torch_na,
-        ),
-        Method(
-            "naive",
-            "naive loop",
-            "op",
-            "Python loop: isfinite(g).all() + g.mul_(inv) per tensor, one sync",
-            NaiveRunner,
-            # Three passes and a bool temporary per tensor: seconds a step for 100 M parameters.
-            max_cpu_bytes=128 << 20,
-        ),
-        Method(
-            "apex",
-            "apex multi_tensor_scale",
-            "op",
-            "apex amp_C.multi_tensor_scale per dtype + overflow .item()",
-            ApexRunner,
-            present=lambda d: amp_C is not None and is_gpu(d),
-        ),
-        Method(
-            "floor-mul",
-            "floor: _foreach_mul_",
-            "floor",
-            "memory floor: in-place torch._foreach_mul_ over the same gradients",
-            ForeachMulFloor,
-        ),
-        Method(
-            "floor-masters",
-            "floor: cast in + copy back",
-            "floor",
-            "memory floor of a master-weights step: float16 -> float32 copy and back, flat buffers",
-            MastersFloor,
-            _float16_only_na,
-            default=False,
-        ),
-        Method(
-            "ampfused-fsdp2",
-            "ampfused.GradScaler, DTensor grads",
-            "scaler",
-            "ampfused.GradScaler over DTensor gradients (Shard(0) on a 1-D mesh, as FSDP2's): "
-            "unscale_ (one pass over the local shards, found_inf all-reduced with MAX) + step + "
-            "update, no-op optimizer; 2 processes, gloo",
-            lambda gs: DTensorScalerRunner(_ampfused_cls(gs), gs),
-            _ampfused_group_na,
-            default=False,
-        ),
-        Method(
-            "torch-fsdp2",
-            "torch GradScaler, DTensor grads",
-            "scaler",
-            "torch.amp.GradScaler over the same DTensor gradients: unscale_ (foreach "
-            "check-and-unscale per dtype through DTensor dispatch, found_inf all-reduced with MAX) "
-            "+ step + update, no-op optimizer; 2 processes, gloo",
-            lambda gs: DTensorScalerRunner(_torch_cls(gs), gs),
-            _dist_na,
-            default=False,
-        ),
-        Method(
-            "floor-allreduce",
-            "floor: all_reduce of one flag",
-            "floor",
-            "the collective alone: dist.all_reduce of a one-element float32 tensor over the "
-            "world group (2 processes, gloo)",
-            AllReduceFloor,
-            _dist_na,
-            default=False,
-        ),
-        Method(
-            "floor-copy",
-            "floor: device copy",
-            "floor",
-            "memory floor: device-to-device copy of the gradient buffers (GPU only)",
-            CopyFloor,
-            _copy_na,
-            present=is_gpu,
-        ),
+        Method("ampfused", "scaler", f"ampfused.GradScaler: unscale_ {_STEP}", _ampfused_scaler,
+               _ampfused_na),
+        Method("torch", "scaler", f"torch.amp.GradScaler: unscale_ {_STEP}", _torch_scaler,
+               _torch_na),
+        Method("ampfused-watch", "scaler", "ampfused.GradScaler after watch(parameters): the "
+               "pass also records each gradient's norm, abs-max, inf/NaN/zero counts",
+               WatchRunner, _ampfused_na, default=False),
+        Method("ampfused-norms", "scaler", "ampfused-watch plus grad_norms() after unscale_ (one "
+               "sync, a dict of floats)", lambda gs: WatchRunner(gs, read_norms=True),
+               _ampfused_na, default=False),
+        Method("torch-norms", "scaler", "torch.amp.GradScaler: unscale_, torch._foreach_norm, "
+               ".item() per layer and for the total, step + update", TorchNormsRunner, _torch_na,
+               default=False),
+        Method("ampfused-clip", "scaler", f"ampfused.GradScaler: clip_grad_norm_(opt, max_norm) "
+               f"(unscale + clip, two passes, 12 B per fp32 element) {_STEP}",
+               lambda gs: ClipRunner(gs, fused=True), _ampfused_na, default=False),
+        Method("torch-clip", "scaler", "torch.amp.GradScaler: unscale_, torch.nn.utils."
+               f"clip_grad_norm_ (foreach; 20 B) {_STEP}", lambda gs: ClipRunner(gs, fused=False),
+               _torch_na, default=False),
+        Method("ampfused-masters", "scaler", "ampfused.MasterWeights + ampfused.GradScaler: "
+               "float16 gradients into float32 master gradients in one pass, the masters copied "
+               "back by step (12 B per element)", lambda gs: MastersRunner(gs, fused=True),
+               _float16_only_na, default=False),
+        Method("torch-masters", "scaler", "float32 masters by hand: _foreach_copy_ of the "
+               "gradients, torch.amp.GradScaler unscale_ + step + update, _foreach_copy_ back "
+               "(20 B)", lambda gs: MastersRunner(gs, fused=False), _float16_only_na,
+               default=False),
+        Method("ampfused-dist", "scaler", "ampfused.ShardedGradScaler (world group): found_inf "
+               f"all-reduced with SUM in unscale_ {_STEP}{_GLOO}",
+               lambda gs: ScalerRunner(ampfused.ShardedGradScaler, gs), _ampfused_dist_na,
+               default=False),
+        Method("torch-dist", "scaler", "torch's FSDP1 ShardedGradScaler (world group): found_inf "
+               f"all-reduced with SUM {_STEP}{_GLOO}",
+               lambda gs: ScalerRunner(_torch_sharded_cls(), gs), _dist_na, default=False),
+        Method("ampfused-group", "scaler", "ampfused.GradScaler(found_inf_group=WORLD): one MAX "
+               f"all-reduce of found_inf per pass {_STEP}{_GLOO}",
+               lambda gs: ScalerRunner(_ampfused_group_cls(gs), gs), _ampfused_group_na,
+               default=False),
+        Method("ampfused-fsdp2", "scaler", "ampfused.GradScaler over DTensor gradients (Shard(0) "
+               "on a 1-D mesh, as FSDP2's): one pass over the local shards, one all-reduce "
+               f"{_STEP}{_GLOO}", lambda gs: DTensorScalerRunner(_ampfused_cls(gs), gs),
+               _ampfused_group_na, default=False),
+        Method("torch-fsdp2", "scaler", "torch.amp.GradScaler over the same DTensor gradients "
+               f"(through DTensor dispatch) {_STEP}{_GLOO}",
+               lambda gs: DTensorScalerRunner(_torch_cls(gs), gs), _dist_na, default=False),
+        Method("ampfused-op", "op", "ampfused.ops.unscale_update_scale_: unscale + check + "
+               "pending scale update, one call", AmpfusedOpRunner),
+        Method("torch-ops", "op", "torch._amp_foreach_non_finite_check_and_unscale_ per dtype + "
+               "_amp_update_scale_", TorchOpsRunner, _torch_na),
+        # Three passes and a bool temporary per tensor: seconds a step for 100 M parameters.
+        Method("naive", "op", "Python loop: isfinite(g).all() + g.mul_(inv) per tensor, one sync",
+               NaiveRunner, max_cpu_bytes=128 << 20),
+        Method("apex", "op", "apex amp_C.multi_tensor_scale per dtype + overflow .item()",
+               ApexRunner, present=lambda d: amp_C is not None and is_gpu(d)),
+        Method("floor-mul", "floor", "memory floor: in-place torch._foreach_mul_ over the same "
+               "gradients", ForeachMulFloor),
+        Method("floor-masters", "floor", "memory floor of a master-weights step: float16 -> "
+               "float32 copy and back over flat buffers (12 B per element)", MastersFloor,
+               _float16_only_na, default=False),
+        Method("floor-allreduce", "floor", "the collective alone: dist.all_reduce of one float32 "
+               "flag over the world group" + _GLOO, AllReduceFloor, _dist_na, default=False),
+        Method("floor-copy", "floor", "bandwidth ceiling: device-to-device copy of the gradient "
+               "buffers (GPU only)", CopyFloor, _copy_na, present=is_gpu),
     )
-}
+}  # fmt: skip
 COMPARED = tuple(n for n, m in METHODS.items() if m.kind != "floor")
 FLOORS = tuple(n for n, m in METHODS.items() if m.kind == "floor")
 

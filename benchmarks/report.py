@@ -1,200 +1,155 @@
-"""Console tables, JSON, markdown summary and PNG plots of one suite run."""
+"""What a run shows: number formats, the tables (console and results.md), the plots."""
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+from tabulate import tabulate
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from benchmarks import (  # noqa: E402
-    bench_clip,
-    bench_diagnostics,
-    bench_distributed,
-    bench_masters,
-)
-from benchmarks.fmt import fmt_bytes, fmt_gbps, fmt_time, fmt_x  # noqa: E402
-from benchmarks.methods import METHODS  # noqa: E402
-from benchmarks.suite import Record  # noqa: E402
-from benchmarks.targets import TargetResult  # noqa: E402
-
-COLORS = {
-    "ampfused": "tab:blue",
-    "torch": "tab:red",
-    "ampfused-watch": "tab:olive",
-    "ampfused-norms": "tab:brown",
-    "torch-norms": "tab:pink",
-    "ampfused-op": "tab:cyan",
-    "torch-ops": "tab:orange",
-    "naive": "tab:gray",
-    "apex": "tab:green",
-    "floor-mul": "black",
-    "floor-copy": "tab:purple",
-}
-QUESTION_TITLES = {
-    "step_cost": "Per-step scaler cost on the target gradient sets",
-    "diagnostics": "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
-    "clip": "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_",
-    "masters": "float16 model, float32 masters: MasterWeights vs the recipe by hand",
-    "distributed": "Distributed: a step with found_inf all-reduced across 2 CPU processes (gloo)",
-    "models": "Model gradient sets",
-    "counts": "Tensor-count sweep",
-    "sizes": "Tensor-size sweep (8 tensors per size)",
-}
+if TYPE_CHECKING:
+    from benchmarks.suite import Record
+    from benchmarks.targets import TargetResult
 
 
-def _workload_key(r: Record) -> tuple:
-    return (r.workload, r.dtype, r.inject_inf, r.realloc)
+# --------------------------------------------------------------------------- formats
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us" if s < 1e-5 else f"{s * 1e6:.0f} us"
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def _batched(records: Sequence[Record]) -> bool:
-    return any(r.timing == "batched" for r in records)
+def fmt_x(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}x"
 
 
-def _cell(r: Record | None) -> str:
+def fmt_gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}" if x >= 1 else f"{x:.3f}"
+
+
+def _cell(r: Record | None, iqr: bool = False) -> str:
+    """A record's median step (with its IQR), or its status when it did not run."""
     if r is None:
         return "-"
-    if r.status != "ok":
+    if not r.ok:
         return r.status
-    return fmt_time(r.median_s)
+    return fmt_time(r.median_s) + (f" ±{fmt_time(r.iqr_s)}" if iqr else "")
 
 
-def _grouped(records: Sequence[Record]) -> dict[tuple, dict[str, Record]]:
+def _ratio(x: Record | None, y: Record | None) -> str:
+    return "-" if x is None or y is None else f"{x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
+
+
+def _grid(rows: list[list[Any]], headers: list[str], tablefmt: str) -> str:
+    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+
+
+def by_workload(records: Sequence[Record]) -> list[dict[str, Record]]:
+    """Each workload's records by method, in run order."""
     groups: dict[tuple, dict[str, Record]] = {}
     for r in records:
-        groups.setdefault(_workload_key(r), {})[r.method] = r
-    return groups
+        groups.setdefault((r.workload, r.dtype, r.inject_inf, r.realloc), {})[r.method] = r
+    return list(groups.values())
 
 
-def _pair(a: Record | None, t: Record | None, attr: str) -> str:
-    va = getattr(a, attr) if a is not None and a.ok else None
-    vt = getattr(t, attr) if t is not None and t.ok else None
-    return f"{'-' if va is None else va}/{'-' if vt is None else vt}"
+# --------------------------------------------------------------------------- tables
+Extra = tuple[str, Callable[[dict[str, "Record"]], str]]
+
+
+def table(
+    records: Sequence[Record],
+    names: Sequence[str],
+    ratios: Sequence[tuple[str, str, str]],
+    extra: Sequence[Extra] = (),
+    tablefmt: str = "simple",
+    iqr: bool = False,
+) -> str:
+    """One row per workload: each named method's median step, the ratios (header, x, y: x's
+    median over y's), then the ``extra`` columns, each computed from the records that ran."""
+    rows = []
+    for by in by_workload(records):
+        r = next(iter(by.values()))
+        ok = {m: x for m, x in by.items() if x.ok}
+        rows.append(
+            [r.label, r.n_tensors, f"{r.grad_bytes / 1e6:.1f}"]
+            + [_cell(by.get(m), iqr) for m in names]
+            + [_ratio(ok.get(x), ok.get(y)) for _, x, y in ratios]
+            + [fn(ok) for _, fn in extra]
+        )
+    headers = ["gradients", "tensors", "MB", *names, *(h for h, _, _ in ratios)]
+    return _grid(rows, headers + [h for h, _ in extra], tablefmt)
 
 
 def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
-    """One row per workload: each method's median step time, then ampfused's GB/s, its and
-    torch's ratio to the floor(s), ampfused's speedup over torch, and op counts."""
-    if not records:
-        return ""
-    methods = [m for m in METHODS if any(r.method == m for r in records)]
-    headers = ["workload", "tensors", "grad bytes"] + [METHODS[m].name for m in methods]
-    headers += ["ampfused GB/s", "ampfused x floor", "torch x floor"]
-    batched = _batched(records)
+    """Every method's median per workload, then ampfused's GB/s, its and torch's ratio to the
+    floor, host / device times (batched, GPU), op counts and ampfused's speedup over torch."""
+    from benchmarks.methods import METHODS
+
+    names = [m for m in METHODS if any(r.method == m for r in records)]
+
+    def of(head: str, m: str, attr: str, fmt: Callable[[Any], str]) -> Extra:
+        return (head, lambda ok: "-" if m not in ok else fmt(getattr(ok[m], attr)))
+
+    def pair(head: str, attr: str) -> Extra:
+        def cell(ok: dict[str, Record]) -> str:
+            return "/".join(
+                str(getattr(ok[m], attr)) if m in ok else "-" for m in ("ampfused", "torch")
+            )
+
+        return (head, cell)
+
+    extra = [of("ampfused GB/s", "ampfused", "gbps", fmt_gbps)]
+    extra += [of(f"{m} x floor", m, "x_floor", fmt_x) for m in ("ampfused", "torch")]
     if gpu:
-        headers += ["ampfused x copy"]
-        if batched:
-            headers += ["host: ampfused", "host: torch"]
-        headers += ["device: ampfused", "device: torch", "launches a/t", "syncs a/t"]
-    else:
-        if batched:
-            headers += ["host: ampfused", "host: torch"]
-        headers += ["ops a/t", "item() a/t"]
-    headers += ["speedup vs torch"]
-    rows = []
-    for by in _grouped(records).values():
-        any_r = next(iter(by.values()))
-        a, t = by.get("ampfused"), by.get("torch")
-        row: list[Any] = [any_r.label, any_r.n_tensors, fmt_bytes(any_r.grad_bytes)]
-        row += [_cell(by.get(m)) for m in methods]
-        row += [
-            fmt_gbps(a.gbps) if a and a.ok else "-",
-            fmt_x(a.x_floor) if a and a.ok else "-",
-            fmt_x(t.x_floor) if t and t.ok else "-",
-        ]
-
-        hosts = [
-            fmt_time(a.host_median_s) if a and a.ok else "-",
-            fmt_time(t.host_median_s) if t and t.ok else "-",
-        ]
-        if gpu:
-            row += [fmt_x(a.x_copy) if a and a.ok else "-"]
-            if batched:
-                row += hosts
-            row += [
-                fmt_time(a.device_median_s) if a and a.ok else "-",
-                fmt_time(t.device_median_s) if t and t.ok else "-",
-                _pair(a, t, "launches"),
-                _pair(a, t, "syncs"),
-            ]
-        else:
-            if batched:
-                row += hosts
-            row += [_pair(a, t, "ops"), _pair(a, t, "items")]
-        row += [fmt_x(a.speedup_vs_torch, 1) if a and a.ok and a.speedup_vs_torch else "-"]
-        rows.append(row)
-    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
-
-
-def details(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
-    """Every record: median, IQR, samples, GB/s, ratios, counts, status."""
-    batched = _batched(records)
-    headers = ["workload", "method", "median", "IQR", "n", "GB/s", "x floor"]
-    if batched:
-        headers += ["steps/sample", "host median", "restore (subtracted)"]
+        extra += [of("ampfused x copy", "ampfused", "x_copy", fmt_x)]
+    if any(r.timing == "batched" for r in records):
+        extra += [of(f"host: {m}", m, "host_median_s", fmt_time) for m in ("ampfused", "torch")]
     if gpu:
-        headers += ["x copy", "device median", "device GB/s", "launches", "syncs"]
-        if batched:
-            headers += ["restore device", "spin overruns"]
+        extra += [of(f"device: {m}", m, "device_median_s", fmt_time) for m in ("ampfused", "torch")]
+        extra += [pair("launches a/t", "launches"), pair("syncs a/t", "syncs")]
     else:
-        headers += ["ops", "item()"]
-    code = any(r.py_bytecodes is not None for r in records)
-    if code:
-        headers += ["Python bytecodes"]
-    headers += ["speedup vs torch", "note"]
-    rows = []
-    for r in records:
-        row: list[Any] = [
-            r.label,
-            r.method,
-            fmt_time(r.median_s) if r.ok else r.status,
-            fmt_time(r.iqr_s),
-            r.samples or "-",
-            fmt_gbps(r.gbps),
-            fmt_x(r.x_floor),
-        ]
-        if batched:
-            row += [
-                r.steps_per_sample or "-",
-                fmt_time(r.host_median_s),
-                fmt_time(r.restore_median_s),
-            ]
-        if gpu:
-            row += [
-                fmt_x(r.x_copy),
-                fmt_time(r.device_median_s),
-                fmt_gbps(r.device_gbps),
-                "-" if r.launches is None else r.launches,
-                "-" if r.syncs is None else r.syncs,
-            ]
-            if batched:
-                row += [
-                    fmt_time(r.restore_device_median_s),
-                    "-" if r.spin_overruns is None else f"{r.spin_overruns}/{r.samples}",
-                ]
-        else:
-            row += ["-" if r.ops is None else r.ops, "-" if r.items is None else r.items]
-        if code:
-            row += ["-" if r.py_bytecodes is None else r.py_bytecodes]
-        row += [fmt_x(r.speedup_vs_torch, 1), r.note]
-        rows.append(row)
-    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+        extra += [pair("ops a/t", "ops"), pair("item() a/t", "items")]
+    extra += [of("speedup vs torch", "ampfused", "speedup_vs_torch", lambda x: fmt_x(x, 1))]
+    return table(records, names, [], extra, tablefmt)
 
 
-def targets_table(results: Sequence[TargetResult], tablefmt: str) -> str:
-    rows = [[t.name, t.requirement, t.value, t.verdict, t.detail] for t in results]
-    return tabulate(
-        rows,
-        headers=["target", "requirement", "measured", "verdict", "detail"],
-        tablefmt=tablefmt,
-        disable_numparse=True,
+DETAIL_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
+    ("IQR", "iqr_s", fmt_time),
+    ("n", "samples", str),
+    ("GB/s", "gbps", fmt_gbps),
+    ("x floor", "x_floor", fmt_x),
+    ("steps/sample", "steps_per_sample", str),
+    ("host median", "host_median_s", fmt_time),
+    ("restore (subtracted)", "restore_median_s", fmt_time),
+    ("x copy", "x_copy", fmt_x),
+    ("device median", "device_median_s", fmt_time),
+    ("device GB/s", "device_gbps", fmt_gbps),
+    ("restore device", "restore_device_median_s", fmt_time),
+    ("spin overruns", "spin_overruns", str),
+    ("ops", "ops", str),
+    ("item()", "items", str),
+    ("launches", "launches", str),
+    ("syncs", "syncs", str),
+    ("Python bytecodes", "py_bytecodes", str),
+    ("speedup vs torch", "speedup_vs_torch", lambda x: fmt_x(x, 1)),
+)
+
+
+def details(records: Sequence[Record], tablefmt: str) -> str:
+    """Every record, with each field that any of them measured."""
+    fields = [f for f in DETAIL_FIELDS if any(getattr(r, f[1]) is not None for r in records)]
+    rows = [
+        [r.label, r.method, _cell(r)]
+        + ["-" if getattr(r, a) is None else fmt(getattr(r, a)) for _, a, fmt in fields]
+        + [r.note]
+        for r in records
+    ]
+    return _grid(
+        rows, ["workload", "method", "median", *(h for h, _, _ in fields), "note"], tablefmt
     )
 
 
@@ -203,221 +158,142 @@ def e2e_table(e2e: dict[str, Any], tablefmt: str) -> str:
     for key, r in e2e["runs"].items():
         comp = e2e["comparisons"][r["optimizer"]]
         rows.append(
-            [
-                key,
-                fmt_time(r["median_step_s"]),
-                fmt_time((r["q3_s"] or 0) - (r["q1_s"] or 0)),
-                r["timed_steps"],
-                f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-                r["skipped_steps"],
-                f"{comp['max_abs_loss_diff']:g}",
-                "yes" if comp["weights_bitwise_equal"] else "NO",
-            ]
+            [key, fmt_time(r["median_step_s"]), fmt_time((r["q3_s"] or 0) - (r["q1_s"] or 0))]
+            + [r["timed_steps"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"]
+            + [r["skipped_steps"], f"{comp['max_abs_loss_diff']:g}"]
+            + ["yes" if comp["weights_bitwise_equal"] else "NO"]
         )
-    headers = [
-        "scaler/optimizer",
-        "median step",
-        "IQR",
-        "timed steps",
-        "loss first -> last",
-        "skipped steps",
-        "max |loss diff| (same optimizer)",
-        "final weights bit-equal",
-    ]
-    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    headers = ["scaler/optimizer", "median step", "IQR", "timed steps", "loss first -> last"]
+    headers += ["skipped steps", "max |loss diff| (same optimizer)", "final weights bit-equal"]
+    return _grid(rows, headers, tablefmt)
+
+
+# Ours against torch's way, per question: the pairs a summary line compares.
+PAIRS = (
+    ("ampfused", "torch"),
+    ("ampfused-norms", "torch-norms"),
+    ("ampfused-clip", "torch-clip"),
+    ("ampfused-masters", "torch-masters"),
+    ("ampfused-dist", "torch-dist"),
+    ("ampfused-fsdp2", "torch-fsdp2"),
+)
+
+
+def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[str]:
+    """How ampfused compares with torch, one line per question and pair: on how many gradient
+    sets it is faster, slower beyond noise (IQRs apart), and the range of torch / ampfused."""
+    lines = []
+    for q in dict.fromkeys(r.question for r in records):
+        groups = by_workload([r for r in records if r.question == q and r.ok])
+        for ours, theirs in PAIRS:
+            pairs = [(g[ours], g[theirs]) for g in groups if ours in g and theirs in g]
+            if not pairs:
+                continue
+            x = [t.median_s / a.median_s for a, t in pairs]  # type: ignore[operator]
+            slower = sum(a.q1_s > t.q3_s for a, t in pairs)  # type: ignore[operator]
+            lines.append(
+                f"{q}: {ours} faster than {theirs} on {sum(v > 1 for v in x)} of {len(x)} "
+                f"gradient sets, slower beyond noise on {slower}; {theirs} / {ours} "
+                f"{min(x):.2f}x to {max(x):.2f}x (median {statistics.median(x):.2f}x)"
+            )
+    for opt, c in ((e2e or {}).get("comparisons") or {}).items():
+        same = c["max_abs_loss_diff"] == 0 and c["weights_bitwise_equal"]
+        lines.append(
+            f"e2e {opt}: torch / ampfused step {fmt_x(c['torch_over_ampfused'])}, losses and "
+            + ("weights identical" if same else "weights DIFFER")
+        )
+    return lines
+
+
+def targets_table(results: Sequence[TargetResult], tablefmt: str) -> str:
+    rows = [[t.name, t.requirement, t.value, t.verdict, t.detail] for t in results]
+    return _grid(rows, ["target", "requirement", "measured", "", "detail"], tablefmt)
+
+
+TARGETS_INTRO = (
+    "ampfused's own performance targets: goals its development is measured against, set for "
+    "this class of machine. A target not met is a gap we track, not a malfunction: every "
+    "figure above is a correct result."
+)
 
 
 # --------------------------------------------------------------------------- plots
-def _method_series(records: Sequence[Record], method: str) -> list[Record]:
-    return [r for r in records if r.method == method and r.ok]
+def plots(records: Sequence[Record], out: Path, title: str) -> dict[str, Path]:
+    """counts.png (time per step against the tensor count), sizes.png (GB/s against the tensor
+    size), models.png (speedup over torch per model); only those whose question ran."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def plot_counts(records: Sequence[Record], path: Path, title: str) -> Path | None:
-    recs = [r for r in records if r.question == "counts"]
-    if not recs:
-        return None
-    numels = sorted({r.numel // r.n_tensors for r in recs if r.n_tensors})
-    dtypes = sorted({r.dtype for r in recs})
-    panels = [(n, d) for n in numels for d in dtypes]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for ax, (numel, dtype) in zip(axes[0], panels, strict=True):
-        sub = [r for r in recs if r.numel // r.n_tensors == numel and r.dtype == dtype]
-        for m in METHODS:
-            series = sorted(_method_series(sub, m), key=lambda r: r.n_tensors)
-            if not series:
-                continue
-            xs = [r.n_tensors for r in series]
-            ys = [r.median_s * 1e6 for r in series]  # type: ignore[operator]
-            lo = [(r.median_s - r.q1_s) * 1e6 for r in series]  # type: ignore[operator]
-            hi = [(r.q3_s - r.median_s) * 1e6 for r in series]  # type: ignore[operator]
-            style = "--" if METHODS[m].kind == "floor" else "-"
-            ax.errorbar(
-                xs,
-                ys,
-                yerr=[lo, hi],
-                fmt="o" + style,
-                ms=3,
-                capsize=2,
-                color=COLORS[m],
-                label=METHODS[m].label,
-            )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("gradient tensors")
-        ax.set_ylabel("time per step (us), median and IQR")
-        ax.set_title(f"{numel} elements per tensor, {dtype}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from benchmarks.methods import METHODS
 
+    def series(recs: list[Record], panels: Callable[[Record], str], x: Callable, y: Callable):  # noqa: ANN202
+        keys = list(dict.fromkeys(panels(r) for r in recs))
+        fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.8), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
+            for m in METHODS:
+                pts = sorted((x(r), y(r)) for r in recs if r.method == m and panels(r) == key)
+                if pts:
+                    style = "o--" if METHODS[m].kind == "floor" else "o-"
+                    ax.plot(*zip(*pts, strict=True), style, ms=3, label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(key)
+            ax.grid(True, which="both", alpha=0.3)
+        return fig, axes[0]
 
-def plot_sizes(records: Sequence[Record], path: Path, title: str) -> Path | None:
-    recs = [r for r in records if r.question == "sizes"]
-    if not recs:
-        return None
-    dtypes = sorted({r.dtype for r in recs})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 4.8), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes, strict=True):
-        sub = [r for r in recs if r.dtype == dtype]
-        for m in METHODS:
-            series = sorted(_method_series(sub, m), key=lambda r: r.numel)
-            if not series:
-                continue
-            xs = [r.numel // r.n_tensors for r in series]
-            ys = [r.gbps for r in series]
-            style = "--" if METHODS[m].kind == "floor" else "-"
-            ax.plot(xs, ys, "o" + style, ms=3, color=COLORS[m], label=METHODS[m].label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("elements per tensor (8 tensors)")
-        ax.set_ylabel("GB/s (bytes read + written / median step time)")
-        ax.set_title(dtype)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _plot_label(r: Record) -> str:
-    return f"{r.workload}\n{r.dtype}" + (" realloc" if r.realloc else "")
-
-
-def plot_models(records: Sequence[Record], path: Path, title: str) -> Path | None:
-    recs = [r for r in records if r.question == "models" and not r.inject_inf]
-    if not recs:
-        return None
-    labels = []
-    for r in recs:
-        lab = _plot_label(r)
-        if lab not in labels:
-            labels.append(lab)
-    methods = [m for m in METHODS if METHODS[m].kind != "floor" and m != "torch"]
-    methods = [m for m in methods if any(r.method == m and r.ok for r in recs)]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10, 0.75 * len(labels) + 5), 8.5))
-    width = 0.8 / max(len(methods), 1)
-    for i, m in enumerate(methods):
-        ys = []
-        for lab in labels:
-            r = next((r for r in recs if _plot_label(r) == lab and r.method == m), None)
-            ys.append(r.speedup_vs_torch if r is not None and r.speedup_vs_torch else math.nan)
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(labels))]
-        ax1.bar(xs, ys, width=width, color=COLORS[m], label=METHODS[m].label)
-    ax1.axhline(1.0, color="tab:red", lw=1, ls="--", label="torch.amp.GradScaler")
-    ax1.set_yscale("log")
-    ax1.set_ylabel("speedup over torch.amp.GradScaler\n(median per-step time)")
-    ax1.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax1.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax1.grid(True, axis="y", which="both", alpha=0.3)
-    floor_methods = [m for m in ("ampfused", "torch", "ampfused-op", "torch-ops") if m in METHODS]
-    width2 = 0.8 / len(floor_methods)
-    for i, m in enumerate(floor_methods):
-        ys = []
-        for lab in labels:
-            r = next((r for r in recs if _plot_label(r) == lab and r.method == m), None)
-            ys.append(r.x_floor if r is not None and r.x_floor else math.nan)
-        xs = [j + (i - (len(floor_methods) - 1) / 2) * width2 for j in range(len(labels))]
-        ax2.bar(xs, ys, width=width2, color=COLORS[m], label=METHODS[m].label)
-    ax2.axhline(1.0, color="black", lw=1, ls="--", label="in-place _foreach_mul_ floor")
-    ax2.set_yscale("log")
-    ax2.set_ylabel("time / floor time")
-    ax2.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax2.grid(True, axis="y", which="both", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_e2e(e2e: dict[str, Any] | None, path: Path, title: str) -> Path | None:
-    if not e2e:
-        return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"torch": dict(ls="-", lw=3.5, alpha=0.35), "ampfused": dict(ls="--", lw=1.3)}
-    colors = {"adamw": "tab:blue", "adamw-fused": "tab:green"}
-    for key, r in e2e["runs"].items():
-        ax1.plot(
-            range(1, len(r["losses"]) + 1),
-            r["losses"],
-            color=colors.get(r["optimizer"], "k"),
-            label=key,
-            **styles[r["scaler"]],
+    done: dict[str, Path] = {}
+    ok = [r for r in records if r.ok]
+    counts = [r for r in ok if r.question == "counts"]
+    if counts:
+        fig, axes = series(
+            counts,
+            lambda r: f"{r.numel // r.n_tensors} elements per tensor, {r.dtype}",
+            lambda r: r.n_tensors,
+            lambda r: r.median_s * 1e6,
         )
-    diffs = ", ".join(f"{k}: {c['max_abs_loss_diff']:g}" for k, c in e2e["comparisons"].items())
-    ax1.set_title(f"loss per step (max |torch - ampfused|: {diffs})", fontsize=9)
-    ax1.set_xlabel("optimizer step")
-    ax1.set_ylabel("training loss")
-    ax1.legend(fontsize=8)
-    ax1.grid(True, alpha=0.3)
-    keys = list(e2e["runs"])
-    meds = [e2e["runs"][k]["median_step_s"] * 1e3 for k in keys]
-    errs = [
-        (
-            (e2e["runs"][k]["median_step_s"] - e2e["runs"][k]["q1_s"]) * 1e3,
-            (e2e["runs"][k]["q3_s"] - e2e["runs"][k]["median_step_s"]) * 1e3,
+        axes[0].set(xlabel="gradient tensors", ylabel="time per step (us), median")
+        done["counts"] = fig
+    sizes = [r for r in ok if r.question == "sizes"]
+    if sizes:
+        fig, axes = series(
+            sizes, lambda r: r.dtype, lambda r: r.numel // r.n_tensors, lambda r: r.gbps
         )
-        for k in keys
-    ]
-    ax2.bar(
-        range(len(keys)),
-        meds,
-        yerr=list(zip(*errs, strict=True)),
-        capsize=4,
-        color=[COLORS[e2e["runs"][k]["scaler"]] for k in keys],
-    )
-    ax2.set_xticks(range(len(keys)), keys, fontsize=8)
-    ax2.set_ylabel("training step (ms), median and IQR")
-    ax2.set_title("end-to-end step time", fontsize=9)
-    ax2.grid(True, axis="y", which="both", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        axes[0].set(xlabel="elements per tensor (8 tensors)", ylabel="GB/s (bytes / median)")
+        done["sizes"] = fig
+    models = [r for r in ok if r.question == "models" and not r.inject_inf and r.speedup_vs_torch]
+    if models:
+        labels = list(dict.fromkeys(f"{r.workload}\n{r.dtype}{r.variant}" for r in models))
+        names = [m for m in METHODS if m != "torch" and any(r.method == m for r in models)]
+        fig, ax = plt.subplots(figsize=(max(10, 0.75 * len(labels) + 5), 4.8))
+        width = 0.8 / len(names)
+        for i, m in enumerate(names):
+            by = {
+                f"{r.workload}\n{r.dtype}{r.variant}": r.speedup_vs_torch
+                for r in models
+                if r.method == m
+            }
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(xs, [by.get(lab, float("nan")) for lab in labels], width=width, label=m)
+        ax.axhline(1.0, color="tab:red", lw=1, ls="--", label="torch.amp.GradScaler")
+        ax.set_yscale("log")
+        ax.set_ylabel("speedup over torch.amp.GradScaler\n(median per-step time)")
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        done["models"] = fig
+    paths = {}
+    for key, fig in done.items():
+        fig.axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        paths[key] = out / f"{key}.png"
+        fig.savefig(paths[key], dpi=110)
+        plt.close(fig)
+    return paths
 
 
-# --------------------------------------------------------------------------- files
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.write_text(json.dumps(payload, indent=1, sort_keys=False, default=str) + "\n")
-
-
-def header_table(header: dict[str, Any], tablefmt: str) -> str:
-    return tabulate(
-        [[k, v] for k, v in header.items()],
-        headers=["", ""],
-        tablefmt=tablefmt,
-        disable_numparse=True,
-    )
-
-
+# --------------------------------------------------------------------------- results.md
 def method_text(records: Sequence[Record]) -> str:
     """How the tables' times were taken, for the top of results.md."""
     common = (
@@ -426,7 +302,7 @@ def method_text(records: Sequence[Record]) -> str:
         "in the same run; *speedup* = torch.amp.GradScaler time / this time. *realloc* rows: "
         "new gradient tensors every step, as after `zero_grad(set_to_none=True)`."
     )
-    if not _batched(records):
+    if not any(r.timing == "batched" for r in records):
         return (
             "Times are per optimizer step, host wall time including device completion, median "
             "over interleaved rounds (IQR = interquartile range); " + common
@@ -442,92 +318,22 @@ def method_text(records: Sequence[Record]) -> str:
     )
 
 
-def markdown(
-    *,
-    header: dict[str, Any],
-    command: str,
-    elapsed_s: float,
-    notes: list[str],
-    records: list[Record],
-    cpu_targets: list[TargetResult] | None,
-    gpu_targets: list[TargetResult] | None,
-    e2e: dict[str, Any] | None,
-    plots: dict[str, Path],
-    gpu: bool,
-    errors: list[str],
-    gpu_targets_link: str = "../gpu-targets.md",
-) -> str:
-    md: list[str] = []
-    md.append(f"# ampfused benchmarks: {header['device_name']}\n")
-    md.append(f"`{command}`, {elapsed_s:.0f} s. " + method_text(records) + "\n")
-    md.append("## Environment\n")
-    md.append(header_table(header, "github") + "\n")
-    if errors:
-        md.append("## Errors\n")
-        md += [f"- {e}" for e in errors]
-        md.append("")
-    if notes:
-        md.append("## Notes\n")
-        md += [f"- {n}" for n in notes]
-        md.append("")
-    if cpu_targets:
-        n_pass = sum(1 for t in cpu_targets if t.passed)
-        md.append(f"## CPU targets: {n_pass}/{len(cpu_targets)} pass\n")
-        md.append(targets_table(cpu_targets, "github") + "\n")
-    if gpu_targets:
-        md.append("## GPU targets\n")
-        md.append(targets_table(gpu_targets, "github") + "\n")
-    elif not gpu:
-        md.append(f"GPU targets: see [{gpu_targets_link}]({gpu_targets_link}).\n")
-    for q in QUESTION_TITLES:
-        recs = [r for r in records if r.question == q]
-        if not recs:
-            continue
-        md.append(f"## {QUESTION_TITLES[q]}\n")
-        if q in plots:
-            md.append(f"![{q}]({plots[q].name})\n")
-        if q == "diagnostics":
-            md.append(bench_diagnostics.table(recs, "github") + "\n")
-        elif q == "clip":
-            md.append(bench_clip.table(recs, "github") + "\n")
-        elif q == "masters":
-            md.append(bench_masters.table(recs, "github") + "\n")
-        elif q == "distributed":
-            md.append(bench_distributed.table(recs, "github") + "\n")
-        else:
-            md.append(pivot(recs, gpu, "github") + "\n")
-    if e2e:
-        md.append("## End-to-end: small GPT, float16 autocast, each scaler\n")
-        cfg = e2e["config"]
-        g = cfg["gpt"]
-        md.append(
-            f"nanoGPT-style model ({g['n_layer']} layers, {g['n_head']} heads, {g['n_embd']} "
-            f"embedding, block {g['block_size']}, vocab {g['vocab_size']}: "
-            f"{e2e['n_params']:,} parameters in {e2e['n_param_tensors']} tensors), batch "
-            f"{cfg['batch_size']} x {cfg['grad_accum']} accumulation steps, unscale_ + "
-            f"clip_grad_norm_({cfg['grad_clip']}), AdamW; {cfg['steps']} steps per run, the first "
-            f"{cfg['timed_from']} untimed; "
-            + (
-                "runs interleaved step by step.\n"
-                if cfg.get("steps_per_sample", 1) == 1
-                else f"runs interleaved in chunks of {cfg['steps_per_sample']} consecutive steps, "
-                "one synchronization per chunk (median step = median over chunks of chunk "
-                "time / steps).\n"
-            )
+def e2e_text(e2e: dict[str, Any]) -> str:
+    cfg, g = e2e["config"], e2e["config"]["gpt"]
+    chunk = cfg.get("steps_per_sample", 1)
+    return (
+        f"nanoGPT-style model ({g['n_layer']} layers, {g['n_head']} heads, {g['n_embd']} "
+        f"embedding, block {g['block_size']}, vocab {g['vocab_size']}: {e2e['n_params']:,} "
+        f"parameters in {e2e['n_param_tensors']} tensors), batch {cfg['batch_size']} x "
+        f"{cfg['grad_accum']} accumulation steps, unscale_ + clip_grad_norm_({cfg['grad_clip']}), "
+        f"AdamW; {cfg['steps']} steps per run, the first {cfg['timed_from']} untimed; runs "
+        + (
+            "interleaved step by step."
+            if chunk == 1
+            else f"interleaved in chunks of {chunk} consecutive steps, one synchronization "
+            "per chunk (median step = median over chunks of chunk time / steps)."
         )
-        if "e2e" in plots:
-            md.append(f"![e2e]({plots['e2e'].name})\n")
-        md.append(e2e_table(e2e, "github") + "\n")
-    md.append("## Methods\n")
-    md += [f"- **{m.name}** ({m.label}): {m.description}" for m in METHODS.values()]
-    md.append("")
-    md.append("## All records\n")
-    for q in QUESTION_TITLES:
-        recs = [r for r in records if r.question == q]
-        if recs:
-            md.append(f"### {q}\n")
-            md.append(details(recs, gpu, "github") + "\n")
-    return "\n".join(md)
+    )
 
 
 GPU_METHOD_MD = """\
@@ -545,7 +351,7 @@ training steps.
 def gpu_targets_md(
     results: list[TargetResult], header: dict[str, Any] | None, slug: str | None
 ) -> str:
-    md = ["# GPU targets\n"]
+    md = ["# GPU targets\n", TARGETS_INTRO + "\n"]
     if header is None:
         md.append(
             "Not yet measured: no GPU was available to the runs so far. `python -m benchmarks` "

@@ -1,20 +1,27 @@
-"""Runs every selected method on one workload and turns the timings into result records."""
+"""Runs the methods on one workload and turns their timings into result records: the
+:class:`Record` (one line of results.jsonl), :func:`run_workload`, and the per-step counts from
+``torch.profiler`` (kernel launches and host syncs on a GPU; dispatcher ops and ``.item()`` calls
+on CPU, each ``.item()`` a blocking host sync on a GPU) and of Python bytecodes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks import profiling
 from benchmarks.env import is_gpu
 from benchmarks.methods import Method, Runner
 from benchmarks.timing import MethodTiming, TimingConfig, error_line, measure
-from benchmarks.workloads import Workload, build
+from benchmarks.workloads import GradSet, Workload, build
 
 
 @dataclass
@@ -193,7 +200,7 @@ def run_workload(
     if ctx.profile:
         ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
         try:
-            counts = profiling.count(gs, ok)
+            counts = count_ops(gs, ok)
         except Exception as e:  # noqa: BLE001 - counts are optional
             ctx.notes.append(f"profiler failed on {w.label}: {type(e).__name__}: {e}"[:200])
             counts = {}
@@ -202,7 +209,7 @@ def run_workload(
             rec.ops, rec.items, rec.launches, rec.syncs = c.ops, c.items, c.launches, c.syncs
     if python_cost:
         ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
-        for name, n in profiling.python_bytecodes(gs, ok).items():
+        for name, n in python_bytecodes(gs, ok).items():
             records[name].py_bytecodes = n
     gs.release()
     del gs, runners
@@ -264,3 +271,115 @@ def derive(recs: list[Record]) -> None:
                 r.device_speedup_vs_torch = ref.device_median_s / r.device_median_s
             if ref.host_median_s and r.host_median_s and r.host_median_s > 0:
                 r.host_speedup_vs_torch = ref.host_median_s / r.host_median_s
+
+
+# --------------------------------------------------------------------------- counts
+_LAUNCH = {
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel",
+}
+_SYNC = {
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",  # the synchronous variant
+}
+_ITEM = "aten::_local_scalar_dense"
+_MARK = "ampfused_bench#"
+
+
+@dataclass
+class OpCounts:
+    ops: int  # top-level dispatcher ops (aten::..., ampfused::...)
+    items: int  # .item() / bool(tensor) calls: a blocking host sync each on a GPU
+    launches: int | None = None  # GPU only
+    syncs: int | None = None  # GPU only
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """The profiler's own C++ logging (kineto's ``USDT ... profiler_start``; on a machine
+    without a GPU, ``ERROR: ... gpuGetDeviceCount failed``) goes to file descriptor 2: into the
+    progress bar.  Silenced while it runs; its failures still raise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def count_ops(gs: GradSet, runners: dict[str, Runner]) -> dict[str, OpCounts]:
+    """Profiles one step of each runner (each after an unprofiled restore and reset)."""
+    gpu = is_gpu(gs.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with _quiet_stderr(), profile(activities=activities) as prof:
+        for name, runner in runners.items():
+            gs.restore()
+            runner.reset()
+            if gpu:
+                torch.cuda.synchronize(gs.device)
+            with record_function(_MARK + name):
+                runner.run()
+            if gpu:
+                torch.cuda.synchronize(gs.device)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    marks = [e for e in events if e.name.startswith(_MARK)]
+    out: dict[str, OpCounts] = {}
+    for m in marks:
+        name = m.name[len(_MARK) :]
+        lo, hi = m.time_range.start, m.time_range.end
+        inside = [
+            e
+            for e in events
+            if e is not m
+            and e.thread == m.thread
+            and lo <= e.time_range.start
+            and e.time_range.end <= hi
+        ]
+        c = OpCounts(
+            ops=sum(1 for e in inside if "::" in e.name and e.cpu_parent is m),
+            items=sum(1 for e in inside if e.name == _ITEM),
+        )
+        if gpu:
+            c.launches = sum(1 for e in inside if e.name in _LAUNCH)
+            c.syncs = sum(1 for e in inside if e.name in _SYNC)
+        out[name] = c
+    return out
+
+
+def python_bytecodes(gs: GradSet, runners: dict[str, Runner]) -> dict[str, int]:
+    """Python bytecode instructions one step of each runner executes (each after an untraced
+    restore and reset), in every Python frame the step enters: its Python cost in a unit that
+    has no timing noise.  A count that grows with the number of gradients is per-parameter host
+    work; C++ loops (the fused pass, foreach kernels) do not count."""
+    out: dict[str, int] = {}
+    for name, runner in runners.items():
+        gs.restore()
+        runner.reset()
+        executed = 0
+
+        def local(frame: FrameType, event: str, arg: object) -> Callable | None:
+            nonlocal executed
+            if event == "opcode":
+                executed += 1
+            return local
+
+        def on_call(frame: FrameType, event: str, arg: object) -> Callable | None:
+            frame.f_trace_opcodes = True
+            return local
+
+        previous = sys.gettrace()
+        sys.settrace(on_call)
+        try:
+            runner.run()
+        finally:
+            sys.settrace(previous)
+        out[name] = executed
+    return out

@@ -228,6 +228,27 @@ def _measure_per_step(
     if gpu_device_time:
         for name in active:
             out[name].device = Stats()
+
+    def sample(name: str, rnd: int) -> None:
+        out[name].wall.times.append(timers[name].timeit(1))
+        if gpu_device_time:
+            est = out[name].wall.median
+            out[name].device.times.append(device_sample(gs, runners[name], est))  # type: ignore[union-attr]
+
+    return _rounds(out, active, cfg, sample, lambda n: sum(out[n].wall.times), on_round)
+
+
+def _rounds(
+    out: dict[str, MethodTiming],
+    active: list[str],
+    cfg: TimingConfig,
+    sample: Callable[[str, int], None],
+    timed: Callable[[str], float],
+    on_round: Callable[[], None] | None,
+) -> dict[str, MethodTiming]:
+    """Rounds of one ``sample(name, round)`` per active method, in an order rotated by one each
+    round, until the config's rule stops them (``timed(name)``: seconds timed so far); a method
+    that raises is reported with its error and leaves the rounds."""
     t_start = time.perf_counter()
     gc.collect()
     rnd = 0
@@ -235,10 +256,7 @@ def _measure_per_step(
         k = rnd % len(active)
         for name in active[k:] + active[:k]:
             try:
-                out[name].wall.times.append(timers[name].timeit(1))
-                if gpu_device_time:
-                    est = out[name].wall.median
-                    out[name].device.times.append(device_sample(gs, runners[name], est))  # type: ignore[union-attr]
+                sample(name, rnd)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory half way
                 out[name].error = error_line(e)
                 active.remove(name)
@@ -247,7 +265,7 @@ def _measure_per_step(
         rnd += 1
         if rnd >= cfg.min_rounds and (
             rnd >= cfg.enough_rounds
-            or all(sum(out[n].wall.times) >= cfg.min_time_s for n in active)
+            or all(timed(n) >= cfg.min_time_s for n in active)
             or time.perf_counter() - t_start >= cfg.max_wall_s
         ):
             break
@@ -471,46 +489,30 @@ def _measure_batched(
         except Exception as e:  # noqa: BLE001 - reported in the results table
             out[name].error = error_line(e)
     timed = dict.fromkeys(active, 0.0)
-    t_start = time.perf_counter()
-    gc.collect()
-    rnd = 0
-    while active:
-        k = rnd % len(active)
-        for name in active[k:] + active[:k]:
-            r, t = runners[name], out[name]
-            try:
-                w = wall_sample(clock, gs.restore, r.reset, r.run, t.steps, rnd % 2 == 0)  # type: ignore[arg-type]
-                t.wall.times.append(w.wall)
-                t.host.times.append(w.host)  # type: ignore[union-attr]
-                t.restore.times.append(w.restore)  # type: ignore[union-attr]
-                timed[name] += w.timed_s
-                if t.device is not None:
-                    d = device_pair_sample(
-                        clock,
-                        gs.restore,
-                        r.reset,
-                        r.run,
-                        t.device_steps,  # type: ignore[arg-type]
-                        w.host,
-                        w.restore,
-                        cfg.max_spin_s,
-                    )
-                    t.device.times.append(d.device)
-                    t.restore_device.times.append(d.restore_device)  # type: ignore[union-attr]
-                    t.spin_overruns += d.overrun
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory half way
-                t.error = error_line(e)
-                active.remove(name)
-        if on_round is not None:
-            on_round()
-        rnd += 1
-        if rnd >= cfg.min_rounds and (
-            rnd >= cfg.enough_rounds
-            or all(timed[n] >= cfg.min_time_s for n in active)
-            or time.perf_counter() - t_start >= cfg.max_wall_s
-        ):
-            break
-    return out
+
+    def sample(name: str, rnd: int) -> None:
+        r, t = runners[name], out[name]
+        w = wall_sample(clock, gs.restore, r.reset, r.run, t.steps, rnd % 2 == 0)  # type: ignore[arg-type]
+        t.wall.times.append(w.wall)
+        t.host.times.append(w.host)  # type: ignore[union-attr]
+        t.restore.times.append(w.restore)  # type: ignore[union-attr]
+        timed[name] += w.timed_s
+        if t.device is not None:
+            d = device_pair_sample(
+                clock,
+                gs.restore,
+                r.reset,
+                r.run,
+                t.device_steps,  # type: ignore[arg-type]
+                w.host,
+                w.restore,
+                cfg.max_spin_s,
+            )
+            t.device.times.append(d.device)
+            t.restore_device.times.append(d.restore_device)  # type: ignore[union-attr]
+            t.spin_overruns += d.overrun
+
+    return _rounds(out, active, cfg, sample, timed.__getitem__, on_round)
 
 
 def measure(

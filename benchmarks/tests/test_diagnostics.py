@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import benchmarks.__main__ as suite_main
-from benchmarks import bench_diagnostics, profiling, targets
+from benchmarks import questions as qs
+from benchmarks import targets
 from benchmarks.methods import COMPARED, METHODS, Runner, select
-from benchmarks.suite import Context, Record, derive, run_workload
+from benchmarks.suite import Context, Record, derive, python_bytecodes, run_workload
 from benchmarks.timing import TimingConfig
 from benchmarks.workloads import GradSet, Workload, build, uniform
 
@@ -81,8 +82,8 @@ def test_python_bytecodes_see_per_parameter_work() -> None:
     counts = {}
     for n in (10, 100):
         gs = grad_set(n)
-        counts[n] = profiling.python_bytecodes(gs, {"loop": PerTensorLoop(gs), "one": OneCall(gs)})
-        again = profiling.python_bytecodes(gs, {"loop": PerTensorLoop(gs), "one": OneCall(gs)})
+        counts[n] = python_bytecodes(gs, {"loop": PerTensorLoop(gs), "one": OneCall(gs)})
+        again = python_bytecodes(gs, {"loop": PerTensorLoop(gs), "one": OneCall(gs)})
         assert again == counts[n]  # no timing noise: the same step counts the same
     assert counts[10]["one"] == counts[100]["one"] > 0
     per_tensor = (counts[100]["loop"] - counts[10]["loop"]) / 90
@@ -100,9 +101,9 @@ def test_watched_step_has_flat_python_cost() -> None:
     )
     code: dict[str, list[int]] = {}
     for n in (20, 200):
-        w = bench_diagnostics.count_workload(n)
-        methods = [METHODS[m] for m in bench_diagnostics.COUNT_METHODS]
-        for r in run_workload(ctx, bench_diagnostics.QUESTION, w, methods, python_cost=True):
+        w = qs.diag_count_workload(n)
+        methods = [METHODS[m] for m in qs.DIAG_COUNT_METHODS]
+        for r in run_workload(ctx, "diagnostics", w, methods, python_cost=True):
             assert r.ok, r.note
             code.setdefault(r.method, []).append(r.py_bytecodes)  # type: ignore[arg-type]
     assert code["ampfused-watch"][0] == code["ampfused-watch"][1]
@@ -152,8 +153,8 @@ def bound_records(watch_ms: float) -> list[Record]:
 
 def count_records(watch_code: list[int]) -> list[Record]:
     out = []
-    for n, code in zip(bench_diagnostics.COUNTS, watch_code, strict=True):
-        w = bench_diagnostics.count_workload(n).name
+    for n, code in zip(qs.DIAG_COUNTS, watch_code, strict=True):
+        w = qs.diag_count_workload(n).name
         out += [
             rec(w, "ampfused", 0.1 * n / 100),
             rec(w, "ampfused-watch", 0.11 * n / 100, code=code),
@@ -199,18 +200,18 @@ def test_targets_not_measured() -> None:
 
 # --------------------------------------------------------------------------- the suite
 def test_suite_runs_the_question(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake(run: suite_main.Run) -> None:
+    def fake(run: suite_main.Run, q: str) -> None:
         recs = bound_records(21.0) + count_records([900, 900, 900])
         derive(recs)
         run.records += recs
 
-    monkeypatch.setitem(suite_main.QUESTION_STEPS, "diagnostics", fake)
+    monkeypatch.setattr(suite_main, "run_question", fake)
     argv = ["--only", "diagnostics", "--device", "cpu", "--no-progress", "--no-plots"]
     assert suite_main.main([*argv, "--out", str(tmp_path)]) == 0
     md = (tmp_path / "results.md").read_text()
     for name in ("gpt2-124m fp32", "4 x 16M fp32", "host cost"):
         line = next(x for x in md.splitlines() if x.startswith(f"| diagnostics {name} "))
-        assert "| PASS " in line, line
+        assert "| met " in line, line
     assert "## Diagnostics: the pass with per-gradient statistics" in md
     row = next(line for line in md.splitlines() if line.startswith("| gpt2-124m fp32 "))
     assert "1.05x" in row and "1.90x" in row  # watch / ampfused, torch-norms / watch

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import benchmarks.__main__ as suite_main
-from benchmarks import bench_distributed, results_io
+from benchmarks import compare, distributed
 from benchmarks.methods import METHODS, select
 from benchmarks.suite import Context
 from benchmarks.timing import QUICK_TIMING, TimingConfig
@@ -51,15 +51,15 @@ def test_suite_runs_the_question_in_two_processes(
     samples of positive time on rank 0 (rank 1's median in the note), the collective methods
     run the all-reduce (one dispatcher op more than the same scaler without it), and
     results.md and results.jsonl hold the rows."""
-    monkeypatch.setattr(bench_distributed, "WORKLOADS", TINY)
-    monkeypatch.setattr(bench_distributed, "QUICK_TIMING", FIXED)
+    monkeypatch.setattr(distributed, "WORKLOADS", TINY)
+    monkeypatch.setattr(distributed, "QUICK_TIMING", FIXED)
     argv = ["--only", "distributed", "--quick", "--device", "cpu", "--no-progress", "--no-plots"]
     t0 = time.perf_counter()
     assert suite_main.main([*argv, "--out", str(tmp_path)]) == 0
     assert time.perf_counter() - t0 < 30  # about 8 s on 2 busy cores
-    recs = results_io.load(tmp_path)["records"]
+    recs = compare.load(tmp_path)["records"]
     assert {(r.workload, r.method) for r in recs} == {
-        (w.name, m) for w in TINY for m in bench_distributed.METHOD_NAMES
+        (w.name, m) for w in TINY for m in distributed.METHOD_NAMES
     }
     for r in recs:
         assert r.question == "distributed" and r.ok, (r.method, r.status, r.note)
@@ -80,7 +80,7 @@ def test_suite_runs_the_question_in_two_processes(
     assert "| torch-dist / ampfused-dist " in header and "| collective adds" in header
     row = next(line for line in md.splitlines() if line.startswith("| 4 x 1K fp32 "))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    n = len(bench_distributed.METHOD_NAMES)
+    n = len(distributed.METHOD_NAMES)
     assert len(cells) == 3 + n + 5
     assert all(c.endswith(("us", "ms")) for c in cells[3 : 3 + n])  # every method's median
     assert all(c.endswith("x") for c in cells[3 + n : 3 + n + 4])  # the ratios
@@ -102,12 +102,12 @@ def test_ranks_that_miss_the_deadline_are_killed(monkeypatch: pytest.MonkeyPatch
     running."""
     minute = TimingConfig(warmup=1, min_rounds=10**6, max_wall_s=60.0)
     # The parent's deadline: start + START_TIMEOUT_S + max_wall_s + WORKLOAD_SLACK_S = start.
-    monkeypatch.setattr(bench_distributed, "START_TIMEOUT_S", -60.0)
-    monkeypatch.setattr(bench_distributed, "WORKLOAD_SLACK_S", 0.0)
+    monkeypatch.setattr(distributed, "START_TIMEOUT_S", -60.0)
+    monkeypatch.setattr(distributed, "WORKLOAD_SLACK_S", 0.0)
     ctx = Context(device=CPU, timing=QUICK_TIMING, methods=[], quick=True, profile=False)
     t0 = time.perf_counter()
-    recs = bench_distributed.run(ctx, sets=TINY, timing=minute)
+    recs = distributed.run(ctx, sets=TINY, timing=minute)
     assert time.perf_counter() - t0 < 15
-    assert len(recs) == len(TINY) * len(bench_distributed.METHOD_NAMES)
+    assert len(recs) == len(TINY) * len(distributed.METHOD_NAMES)
     assert all(r.status == "error" and "timed out" in r.note for r in recs)
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import bench_masters
+from benchmarks import questions as qs
 from benchmarks.methods import METHODS, select
 from benchmarks.workloads import Workload, build, uniform
 
@@ -46,6 +46,4 @@ def test_masters_methods_only_when_asked_and_only_float16() -> None:
     assert not names & {m.name for m in select(None, CPU)}
     fp32 = Workload("1 x 8", tuple(uniform(1, 8)))
     assert all(METHODS[n].unavailable(fp32, CPU) for n in names)
-    assert all(
-        METHODS[n].unavailable(w, CPU) is None for n in names for w in bench_masters.WORKLOADS
-    )
+    assert all(METHODS[n].unavailable(w, CPU) is None for n in names for w in qs.MASTERS_SETS)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.__main__ as suite_main
-from benchmarks import compare, results_io
+from benchmarks import compare
 from benchmarks.suite import Record, derive
 
 US = 1e-6
@@ -69,7 +69,7 @@ def save(tmp_path: Path, name: str, records: list[Record], form: str, **kw) -> P
     """Writes a run in the full ("json") or compact ("jsonl") form; returns the file."""
     folder = tmp_path / name
     folder.mkdir()
-    results_io.write(folder, payload(records, **kw))
+    compare.write(folder, payload(records, **kw))
     keep = folder / f"results.{form}"
     for other in folder.iterdir():
         if other != keep:
@@ -88,9 +88,9 @@ def test_compact_form_keeps_the_measurements(tmp_path: Path) -> None:
     ]
     derive(recs[:4])
     e2e = e2e_result(10.2)
-    full = results_io.load(save(tmp_path, "full", recs, "json", e2e=e2e))
+    full = compare.load(save(tmp_path, "full", recs, "json", e2e=e2e))
     compact_path = save(tmp_path, "compact", recs, "jsonl", e2e=e2e)
-    compact = results_io.load(compact_path)
+    compact = compare.load(compact_path)
     lines = compact_path.read_text().splitlines()
     assert len(lines) == 1 + len(recs) + 1  # run line, one per record, e2e line
     assert "a note only the full form keeps" not in compact_path.read_text()
@@ -114,16 +114,16 @@ def test_compact_form_keeps_the_measurements(tmp_path: Path) -> None:
 
 
 def test_folder_prefers_the_full_form_and_names_what_is_missing(tmp_path: Path) -> None:
-    results_io.write(tmp_path, payload([rec("ampfused", 10.0)]))
-    assert results_io.resolve(tmp_path).name == "results.json"
+    compare.write(tmp_path, payload([rec("ampfused", 10.0)]))
+    assert compare.resolve(tmp_path).name == "results.json"
     (tmp_path / "results.json").unlink()
-    assert results_io.resolve(tmp_path).name == "results.jsonl"
+    assert compare.resolve(tmp_path).name == "results.jsonl"
     (tmp_path / "results.jsonl").unlink()
     with pytest.raises(FileNotFoundError, match="no results.json or results.jsonl"):
-        results_io.resolve(tmp_path)
+        compare.resolve(tmp_path)
     (tmp_path / "results.jsonl").write_text('{"question": "counts"}\n')
     with pytest.raises(ValueError, match="not a benchmarks results file"):
-        results_io.load(tmp_path)
+        compare.load(tmp_path)
 
 
 # --------------------------------------------------------------------------- compare
@@ -239,7 +239,7 @@ def test_bad_paths_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
         compare.main([str(tmp_path / "nowhere"), str(tmp_path)])
     assert e.value.code == 2
     assert "no such results file or folder" in capsys.readouterr().err
-    results_io.write(tmp_path, payload([rec("ampfused", 10.0)]))
+    compare.write(tmp_path, payload([rec("ampfused", 10.0)]))
     with pytest.raises(SystemExit):
         compare.main([str(tmp_path), str(tmp_path), "--relative-to", "torch"])
     assert "--relative-to torch: OLD has no such method" in capsys.readouterr().err
@@ -249,14 +249,12 @@ def test_bad_paths_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_suite_writes_both_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """main's steps end to end, the questions replaced by fakes (no timing)."""
 
-    def fake_counts(run: suite_main.Run) -> None:
+    def fake(run: suite_main.Run, q: str) -> None:
+        if q == "sizes":
+            raise RuntimeError("sizes broke")
         run.records += [rec("ampfused", 100.0), rec("torch", 300.0), rec("floor-mul", 200.0)]
 
-    def broken_sizes(run: suite_main.Run) -> None:
-        raise RuntimeError("sizes broke")
-
-    monkeypatch.setitem(suite_main.QUESTION_STEPS, "counts", fake_counts)
-    monkeypatch.setitem(suite_main.QUESTION_STEPS, "sizes", broken_sizes)
+    monkeypatch.setattr(suite_main, "run_question", fake)
     argv = ["--only", "counts,sizes", "--device", "cpu", "--no-progress", "--out", str(tmp_path)]
     assert suite_main.main(argv) == 1  # the broken question is an error, the other still ran
     full = json.loads((tmp_path / "results.json").read_text())
@@ -264,7 +262,7 @@ def test_suite_writes_both_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert [r["method"] for r in full["records"]] == ["ampfused", "torch", "floor-mul"]
     assert full["command"] == "python -m benchmarks " + " ".join(argv)
     assert set(full["durations_s"]) == {"counts", "sizes"}
-    compact = results_io.load(tmp_path / "results.jsonl")
+    compact = compare.load(tmp_path / "results.jsonl")
     assert [r.method for r in compact["records"]] == ["ampfused", "torch", "floor-mul"]
     assert compact["run"]["errors"] == full["errors"]
     assert "## Tensor-count sweep" in (tmp_path / "results.md").read_text()

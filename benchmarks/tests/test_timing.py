@@ -21,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from benchmarks import bench_e2e
+from benchmarks import e2e
 from benchmarks.methods import METHODS, Runner
 from benchmarks.suite import Context, run_workload
 from benchmarks.timing import (
@@ -377,30 +377,30 @@ def test_same_grads_restore_keeps_the_tensors() -> None:
 
 # --------------------------------------------------------------------------- e2e chunks
 def test_e2e_chunks() -> None:
-    for cfg in (bench_e2e.CPU_FULL, bench_e2e.GPU_FULL, bench_e2e.GPU_QUICK):
-        chunks = bench_e2e.chunks(cfg)
+    for cfg in (e2e.CPU_FULL, e2e.GPU_FULL, e2e.GPU_QUICK):
+        chunks = e2e.chunks(cfg)
         assert [s for c in chunks for s in c] == list(range(cfg.steps))
         assert all(c[0] >= cfg.timed_from or c[-1] < cfg.timed_from for c in chunks)
         assert max(len(c) for c in chunks) == cfg.steps_per_sample
-    assert bench_e2e.chunks(bench_e2e.CPU_FULL) == [[i] for i in range(bench_e2e.CPU_FULL.steps)]
-    odd = bench_e2e.E2EConfig(steps=10, timed_from=2, steps_per_sample=3)
-    assert bench_e2e.chunks(odd) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+    assert e2e.chunks(e2e.CPU_FULL) == [[i] for i in range(e2e.CPU_FULL.steps)]
+    odd = e2e.E2EConfig(steps=10, timed_from=2, steps_per_sample=3)
+    assert e2e.chunks(odd) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
 
 
 @pytest.mark.parametrize("steps_per_sample", [1, 2])
 def test_e2e_runs_in_chunks(steps_per_sample: int) -> None:
     """The GPU's chunked loop (several steps, then the losses and scales read back) run on the
     CPU: same losses, scales and weights as one step per sample, for both scalers."""
-    cfg = bench_e2e.E2EConfig(
-        bench_e2e.GPTConfig(block_size=16, n_layer=1, n_embd=32),
+    cfg = e2e.E2EConfig(
+        e2e.GPTConfig(block_size=16, n_layer=1, n_embd=32),
         batch_size=2,
         steps=5,
         timed_from=1,
         steps_per_sample=steps_per_sample,
     )
     ctx = Context(device=torch.device("cpu"), timing=TimingConfig(mode="batched"), methods=[])
-    res = bench_e2e.run(ctx, cfg)
-    ref = bench_e2e.run(ctx, dataclasses.replace(cfg, steps_per_sample=1))
+    res = e2e.run(ctx, cfg)
+    ref = e2e.run(ctx, dataclasses.replace(cfg, steps_per_sample=1))
     for key, r in res.runs.items():
         assert r["timed_steps"] == 4 and r["samples"] == 4 // steps_per_sample
         assert len(r["losses"]) == len(r["scales"]) == 5

@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -318,16 +317,3 @@ def run(ctx: Context, cfg: E2EConfig | None = None) -> E2EResult:
 
 def steps_total(ctx: Context) -> int:
     return preset(ctx.device, ctx.quick).steps
-
-
-def main() -> None:  # a quick look without the suite
-    ctx = Context(device=torch.device("cpu"), timing=None, methods=[], quick=True)  # type: ignore[arg-type]
-    t0 = time.perf_counter()
-    res = run(ctx)
-    for k, v in res.runs.items():
-        print(k, f"{v['median_step_s'] * 1e3:.1f} ms", v["losses"][-1])
-    print(res.comparisons, f"{time.perf_counter() - t0:.1f} s")
-
-
-if __name__ == "__main__":
-    main()

@@ -33,12 +33,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
-from benchmarks import profiling
-from benchmarks.fmt import by_workload, fmt_cell, fmt_ratio, fmt_time
 from benchmarks.methods import METHODS
-from benchmarks.suite import Context, Record, _base, _fill_timing, available_bytes, derive
+from benchmarks.report import fmt_time
+from benchmarks.report import table as _table
+from benchmarks.suite import (
+    Context,
+    Record,
+    _base,
+    _fill_timing,
+    available_bytes,
+    count_ops,
+    derive,
+)
 from benchmarks.timing import MethodTiming, Stats, TimingConfig, error_line
 from benchmarks.workloads import Workload, build, uniform
 
@@ -193,7 +200,7 @@ def _measure_rank(
     counts: dict[str, tuple[int, int]] = {}
     if profile and active:
         # Both ranks profile the same steps in the same order (lock-step collectives).
-        for name, c in profiling.count(gs, {n: runners[n] for n in active}).items():
+        for name, c in count_ops(gs, {n: runners[n] for n in active}).items():
             counts[name] = (c.ops, c.items)
     nbytes = {n: runners[n].bytes_moved(gs) for n in active}
     gs.release()
@@ -386,50 +393,22 @@ def run(
 
 # --------------------------------------------------------------------------- table
 def table(records: list[Record], tablefmt: str = "simple") -> str:
-    """One row per workload: each method's median step on rank 0, torch's sharded scaler over
-    ampfused's, ampfused's sharded scaler over the memory floor, and what the collective adds
-    to each scaler's step (the median with it minus the median without)."""
-    rows = []
-    for cells, by, ok in by_workload(records):
-        a_dist, t_dist, a2, t2, a, t, floor = (
-            ok.get(m)
-            for m in (
-                "ampfused-dist",
-                "torch-dist",
-                "ampfused-fsdp2",
-                "torch-fsdp2",
-                "ampfused",
-                "torch",
-                "floor-mul",
-            )
-        )
-        rows.append(
-            [
-                *cells,
-                *(fmt_cell(by.get(m)) for m in METHOD_NAMES),
-                fmt_ratio(t_dist, a_dist),
-                fmt_ratio(t2, a2),
-                fmt_ratio(t, a),
-                fmt_ratio(a_dist, floor),
-                f"{_added(a_dist, a)} / {_added(t_dist, t)}",
-            ]
-        )
-    headers = [
-        "gradients",
-        "tensors",
-        "MB",
-        *METHOD_NAMES,
-        "torch-dist / ampfused-dist",
-        "torch-fsdp2 / ampfused-fsdp2",
-        "torch / ampfused",
-        "ampfused-dist / floor",
-        "collective adds: ampfused / torch",
-    ]
-    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    """One row per workload: each method's median step on rank 0, torch's way over ampfused's,
+    ampfused's sharded scaler over the memory floor, and what the collective adds to each
+    scaler's step (the median with it minus the median without)."""
 
+    def added(ok: dict[str, Record]) -> str:
+        cells = []
+        for with_it, without in (("ampfused-dist", "ampfused"), ("torch-dist", "torch")):
+            if with_it not in ok or without not in ok:
+                cells.append("-")
+                continue
+            d = ok[with_it].median_s - ok[without].median_s  # type: ignore[operator]
+            cells.append(("-" if d < 0 else "") + fmt_time(abs(d)))
+        return " / ".join(cells)
 
-def _added(with_collective: Record | None, without: Record | None) -> str:
-    if with_collective is None or without is None:
-        return "-"
-    d = with_collective.median_s - without.median_s  # type: ignore[operator]
-    return ("-" if d < 0 else "") + fmt_time(abs(d))
+    pairs = (("torch-dist", "ampfused-dist"), ("torch-fsdp2", "ampfused-fsdp2"))
+    pairs += (("torch", "ampfused"), ("ampfused-dist", "floor-mul"))
+    ratios = [(f"{x} / {y}", x, y) for x, y in pairs]
+    extra = [("collective adds: ampfused / torch", added)]
+    return _table(records, METHOD_NAMES, ratios, extra, tablefmt)

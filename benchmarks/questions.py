@@ -1,0 +1,316 @@
+"""The suite's questions: for each, its gradient sets, the methods it compares, its timing and
+the table it prints.  ``distributed`` (two processes) and ``e2e`` (a small GPT trained) have
+modules of their own; ``instructions`` runs :mod:`benchmarks.instructions`.
+
+- step_cost    per-step cost on the four gradient sets the CPU targets are stated on, each also
+               with new gradient tensors every step (realloc, as ``zero_grad(set_to_none=True)``)
+- diagnostics  the pass with per-gradient statistics (``watch()``, ``grad_norms()``) against the
+               plain pass and torch's scaler + per-layer norms by hand; tiny tensors at growing
+               counts for the host cost (Python bytecodes of one step)
+- clip         ``clip_grad_norm_`` through the scaler (two passes, 12 B per fp32 element)
+               against torch's ``unscale_`` + ``clip_grad_norm_`` (20 B)
+- masters      a float16 model with float32 masters: ``MasterWeights`` against the recipe by hand
+- models       real models' gradient sets x dtypes x with/without an injected inf
+- counts       1 to 10,000 tensors of 16 and 1024 elements (per-tensor overhead)
+- sizes        8 tensors of 16 to 2^28 elements (bandwidth; capped on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from benchmarks.methods import METHODS
+from benchmarks.report import fmt_time, pivot, table
+from benchmarks.suite import Context, Record, run_workload
+from benchmarks.timing import TimingConfig
+from benchmarks.workloads import DTYPE_NAMES, MODELS, Workload, gpt2_124m, uniform
+
+# The questions whose rows the targets are stated on take more samples than the sweeps: their
+# figures are ratios of medians a few percent apart.
+TARGET_TIMING = TimingConfig(
+    warmup=3, min_rounds=15, enough_rounds=61, min_time_s=0.5, max_wall_s=20.0
+)
+QUICK_TARGET_TIMING = TimingConfig(
+    warmup=2, min_rounds=5, enough_rounds=11, min_time_s=0.1, max_wall_s=2.5, batch_s=0.02
+)
+
+
+def _w(name: str, shapes: Sequence, dtype: str = "fp32", family: str = "target") -> Workload:
+    return Workload(name, tuple(shapes), dtype, family=family)
+
+
+GPT2 = _w("gpt2-124m", gpt2_124m())
+X4_16M = _w("4 x 16M", uniform(4, 1 << 24))
+X1000_1K = _w("1000 x 1K", uniform(1000, 1024), family="count")
+GPT2_MIXED = _w("gpt2-124m", gpt2_124m(), "mixed", "model")
+
+
+@dataclass(frozen=True)
+class Question:
+    """``plan(ctx, args)`` lists what runs, in order: (workload, method names or None for the
+    context's methods); ``table(records)`` renders its records (None: the generic pivot)."""
+
+    name: str
+    title: str
+    plan: Callable[[Context, argparse.Namespace], list[tuple[Workload, tuple[str, ...] | None]]]
+    table: Callable[[list[Record], str], str] | None = None
+    target_timing: bool = False  # the targets' sample counts (TARGET_TIMING)
+    python_cost: bool = False  # count the Python bytecodes of one step
+    notes: Callable[[Context, argparse.Namespace], list[str]] = lambda ctx, args: []
+
+    def run(self, ctx: Context, plan: list[tuple[Workload, tuple[str, ...] | None]]) -> list:
+        if self.target_timing:
+            timing = QUICK_TARGET_TIMING if ctx.quick else TARGET_TIMING
+            ctx = dataclasses.replace(ctx, timing=dataclasses.replace(timing, mode=ctx.timing.mode))
+        records: list[Record] = []
+        for w, names in plan:
+            methods = None
+            if names is not None:
+                methods = [METHODS[n] for n in names if METHODS[n].present(ctx.device)]
+            records += run_workload(ctx, self.name, w, methods, self.python_cost)
+            ctx.tick()
+        return records
+
+
+# --------------------------------------------------------------------------- step_cost
+STEP_COST_SETS = (_w("3000 x 16", uniform(3000, 16)), X1000_1K, GPT2, X4_16M)
+STEP_COST_METHODS = ("ampfused", "torch", "floor-mul")
+
+
+def _step_cost_plan(ctx: Context, args: argparse.Namespace) -> list:
+    sets = [dataclasses.replace(w, family="target") for w in STEP_COST_SETS]
+    sets += [dataclasses.replace(w, realloc=True) for w in sets]
+    return [(w, STEP_COST_METHODS) for w in sets]
+
+
+def _step_cost_table(records: list[Record], tablefmt: str = "simple") -> str:
+    extra = []
+    if any(r.host_median_s is not None for r in records):
+        extra += [
+            (f"host: {m}", lambda by, m=m: fmt_time(by[m].host_median_s) if m in by else "-")
+            for m in ("ampfused", "torch")
+        ]
+    if any(r.device_median_s is not None for r in records):
+        extra += [
+            (f"device: {m}", lambda by, m=m: fmt_time(by[m].device_median_s) if m in by else "-")
+            for m in ("ampfused", "torch")
+        ]
+    ratios = [
+        ("torch / ampfused", "torch", "ampfused"),
+        ("ampfused / floor", "ampfused", "floor-mul"),
+        ("torch / floor", "torch", "floor-mul"),
+    ]
+    return table(records, STEP_COST_METHODS, ratios, extra, tablefmt, iqr=True)
+
+
+# --------------------------------------------------------------------------- diagnostics
+DIAG_METHODS = ("ampfused", "ampfused-watch", "ampfused-norms", "torch", "torch-norms", "floor-mul")
+# Also the order of the bytecode column.
+DIAG_COUNT_METHODS = ("ampfused", "ampfused-watch", "ampfused-norms", "torch-norms")
+DIAG_BOUND_SETS = (GPT2, X4_16M)  # the 1.15x target is stated on these (fp32)
+DIAG_COUNTS = (100, 1000, 3000)
+DIAG_COUNT_NUMEL = 16
+DIAG_RATIO_BOUND = 1.15
+
+
+def diag_count_workload(n: int) -> Workload:
+    return _w(f"{n} x {DIAG_COUNT_NUMEL}", uniform(n, DIAG_COUNT_NUMEL), family="count")
+
+
+def _diagnostics_plan(ctx: Context, args: argparse.Namespace) -> list:
+    out: list = [(w, DIAG_METHODS) for w in DIAG_BOUND_SETS]
+    if not ctx.quick:
+        out.append((GPT2_MIXED, DIAG_METHODS))
+    return out + [(diag_count_workload(n), DIAG_COUNT_METHODS) for n in DIAG_COUNTS]
+
+
+def _diagnostics_table(records: list[Record], tablefmt: str = "simple") -> str:
+    def code(by: dict[str, Record]) -> str:
+        return " / ".join(
+            str(by[m].py_bytecodes) if m in by and by[m].py_bytecodes is not None else "-"
+            for m in DIAG_COUNT_METHODS
+        )
+
+    ratios = [
+        ("watch / ampfused", "ampfused-watch", "ampfused"),
+        ("norms / ampfused", "ampfused-norms", "ampfused"),
+        ("torch-norms / watch", "torch-norms", "ampfused-watch"),
+        ("torch-norms / norms", "torch-norms", "ampfused-norms"),
+    ]
+    extra = [("Python bytecodes a / watch / norms / torch-norms", code)]
+    return table(records, DIAG_METHODS, ratios, extra, tablefmt)
+
+
+# --------------------------------------------------------------------------- clip, masters
+CLIP_METHODS = ("ampfused-clip", "torch-clip", "ampfused", "floor-mul")
+CLIP_SPEEDUP_BOUND = 1.5  # on GPT-2 124M fp32, the CPU target
+MASTERS_METHODS = ("ampfused-masters", "torch-masters", "ampfused", "floor-masters")
+MASTERS_SETS = tuple(
+    dataclasses.replace(w, dtype="fp16") for w in (GPT2, X4_16M, X1000_1K)
+)  # float16 models
+
+
+def _gbps(a: str, b: str) -> tuple[str, Callable[[dict[str, Record]], str]]:
+    def cell(by: dict[str, Record]) -> str:
+        return " / ".join(
+            f"{by[m].gbps:.1f}" if m in by and by[m].gbps is not None else "-" for m in (a, b)
+        )
+
+    return (f"GB/s {a} / {b}", cell)
+
+
+def _fused_table(names: tuple[str, ...]) -> Callable[[list[Record], str], str]:
+    """A fused method against torch's way, the plain step and the floor (names in that order)."""
+    fused, theirs, plain, floor = names
+
+    def render(records: list[Record], tablefmt: str = "simple") -> str:
+        ratios = [
+            (f"{theirs} / {fused}", theirs, fused),
+            (f"{fused} / floor", fused, floor),
+            (f"{fused} / {plain}", fused, plain),
+        ]
+        return table(records, names, ratios, [_gbps(fused, theirs)], tablefmt)
+
+    return render
+
+
+# --------------------------------------------------------------------------- sweeps
+# vit-b16 is left to --workloads: BERT-base stands for the 100M-parameter encoders (time budget).
+DEFAULT_MODELS = ("gpt2-124m", "llama-1b", "llama-7b", "resnet50", "bert-base")
+QUICK_MODELS = ("gpt2-124m", "resnet50")
+# --quick, unless models/dtypes/inf are chosen: fp32 of both, and mixed with an inf of ResNet-50.
+QUICK_MODEL_CONFIGS = (("gpt2-124m", "fp32", False), ("resnet50", "fp32", False))
+QUICK_MODEL_CONFIGS += (("resnet50", "mixed", True),)
+# An injected inf only changes the flag and the scale update: by default fp32 and mixed only.
+DEFAULT_INF_DTYPES = ("fp32", "mixed")
+# On CPU, sets above this run fp32 without inf only (Llama-1B fp32: a second a step).
+CPU_HEAVY_BYTES = 1 << 30
+COUNTS = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
+QUICK_COUNTS = (1, 10, 100, 1000)
+COUNT_NUMELS = (16, 1024)
+LOG2_SIZES = tuple(range(4, 29, 2))  # 16 ... 2^28 elements, 8 tensors each
+CPU_MAX_LOG2, QUICK_MAX_LOG2 = 24, 20  # 8 x 2^24 fp32 = 512 MiB: tens of ms a step on 2 cores
+
+
+def _model(name: str, dtype: str, inf: bool, realloc: bool = False) -> Workload:
+    return Workload(name, tuple(MODELS[name].shapes()), dtype, inf, "model", realloc)
+
+
+def _models(ctx: Context, args: argparse.Namespace) -> tuple[list[Workload], list[str]]:
+    """The model configs to run and notes on those left out.  On a GPU each fp32 set without
+    inf also runs realloc; on CPU that case is in step_cost."""
+    gpu = ctx.device.type == "cuda"
+    infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
+    if ctx.quick and args.workloads is None and args.dtypes is None and infs is None:
+        out = [_model(*c) for c in QUICK_MODEL_CONFIGS]
+        return out + ([_model(*QUICK_MODEL_CONFIGS[0], realloc=True)] if gpu else []), []
+    models = args.workloads or list(QUICK_MODELS if ctx.quick else DEFAULT_MODELS)
+    dtypes = args.dtypes or (["fp32", "mixed"] if ctx.quick else list(DTYPE_NAMES))
+    notes = [] if infs else ["models: an injected inf runs on fp32 and mixed (--inf yes for all)"]
+    out = []
+    for name, dtype, inf in itertools.product(models, dtypes, infs or [False, True]):
+        spec, w = MODELS[name], _model(name, dtype, inf)
+        if spec.gpu_only and not gpu:
+            notes.append(f"{spec.title}: GPU only (skipped on CPU)")
+        elif inf and not infs and dtype not in DEFAULT_INF_DTYPES:
+            continue
+        elif not gpu and w.grad_bytes > CPU_HEAVY_BYTES and (dtype != "fp32" or inf):
+            notes.append(f"{spec.title}: on CPU only fp32 without inf (time budget)")
+        else:
+            out.append(w)
+            if gpu and dtype == "fp32" and not inf:
+                out.append(_model(name, dtype, inf, realloc=True))
+    return out, list(dict.fromkeys(notes))
+
+
+def _sizes(ctx: Context) -> list[int]:
+    gpu = ctx.device.type == "cuda"
+    cap = QUICK_MAX_LOG2 if ctx.quick else (LOG2_SIZES[-1] if gpu else CPU_MAX_LOG2)
+    sizes = [s for s in LOG2_SIZES if s <= cap]
+    return sorted(set(sizes[::2] + sizes[-1:])) if ctx.quick else sizes
+
+
+def _counts_plan(ctx: Context, args: argparse.Namespace) -> list:
+    counts = QUICK_COUNTS if ctx.quick else COUNTS
+    dtypes = args.dtypes or ["fp32"]
+    return [
+        (Workload(f"{c} x {n}", tuple(uniform(c, n)), d, family="count"), None)
+        for n, d, c in itertools.product(COUNT_NUMELS, dtypes, counts)
+    ]
+
+
+def _sizes_plan(ctx: Context, args: argparse.Namespace) -> list:
+    return [
+        (Workload(f"8 x 2^{s}", tuple(uniform(8, 1 << s)), d, family="size"), None)
+        for d, s in itertools.product(args.dtypes or ["fp32"], _sizes(ctx))
+    ]
+
+
+def _sizes_notes(ctx: Context, args: argparse.Namespace) -> list[str]:
+    cap = _sizes(ctx)[-1]
+    return [] if cap == LOG2_SIZES[-1] else [f"sizes capped at 2^{cap} elements (time budget)"]
+
+
+QUESTIONS: dict[str, Question] = {
+    q.name: q
+    for q in (
+        Question(
+            "step_cost",
+            "Per-step scaler cost on the target gradient sets",
+            _step_cost_plan,
+            _step_cost_table,
+            target_timing=True,
+        ),
+        Question(
+            "diagnostics",
+            "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
+            _diagnostics_plan,
+            _diagnostics_table,
+            target_timing=True,
+            python_cost=True,
+        ),
+        Question(
+            "clip",
+            "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_",
+            lambda ctx, args: (
+                [(w, CLIP_METHODS) for w in (GPT2, X4_16M, X1000_1K)]
+                + ([] if ctx.quick else [(GPT2_MIXED, CLIP_METHODS)])
+            ),
+            _fused_table(CLIP_METHODS),
+            target_timing=True,
+        ),
+        Question(
+            "masters",
+            "float16 model, float32 masters: MasterWeights vs the recipe by hand",
+            lambda ctx, args: [(w, MASTERS_METHODS) for w in MASTERS_SETS],
+            _fused_table(MASTERS_METHODS),
+            target_timing=True,
+        ),
+        Question(
+            "models",
+            "Model gradient sets",
+            lambda ctx, args: [(w, None) for w in _models(ctx, args)[0]],
+            notes=lambda ctx, args: _models(ctx, args)[1],
+        ),
+        Question("counts", "Tensor-count sweep", _counts_plan),
+        Question(
+            "sizes", "Tensor-size sweep (8 tensors per size)", _sizes_plan, notes=_sizes_notes
+        ),
+    )
+}
+
+
+def render(q: str, records: list[Record], gpu: bool, tablefmt: str = "simple") -> str:
+    """A question's table of its records."""
+    question = QUESTIONS.get(q)
+    if question is not None and question.table is not None:
+        return question.table(records, tablefmt)
+    if q == "distributed":
+        from benchmarks.distributed import table as distributed_table
+
+        return distributed_table(records, tablefmt)
+    return pivot(records, gpu, tablefmt)

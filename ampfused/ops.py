@@ -63,8 +63,9 @@ def grad_stats_rows(grads: list[Tensor]) -> int:
 
 
 def _call(op, grads: list[Tensor], *args, out: list[Tensor] | None = None) -> None:
-    # torch's schema parser rejects a None inside a Tensor[] with a RuntimeError that names no
-    # element; torch's own ops raise TypeError there.  Only the failing call pays for the scan.
+    # torch's schema parser rejects a None inside a Tensor[], or a tensor where the list goes,
+    # with a RuntimeError; torch's own ops raise TypeError there.  Only the failing call pays
+    # for the scan.
     try:
         if out is None:
             op(grads, *args)
@@ -73,8 +74,15 @@ def _call(op, grads: list[Tensor], *args, out: list[Tensor] | None = None) -> No
     except RuntimeError:
         lists = [("grads", grads)] + ([("out", out)] if out is not None else [])
         for name, tensors in lists:
-            if isinstance(tensors, Tensor):
-                continue
+            if not isinstance(tensors, (list, tuple)):
+                raise TypeError(
+                    f"{name} must be a list of tensors, not {type(tensors).__name__}"
+                    + (
+                        f"; pass [{name}] for a single tensor"
+                        if isinstance(tensors, Tensor)
+                        else ""
+                    )
+                ) from None
             for i, g in enumerate(tensors):
                 if g is None:
                     raise TypeError(

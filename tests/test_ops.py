@@ -1017,7 +1017,7 @@ RTE, NotImpl = RuntimeError, NotImplementedError
 # torch's for the same input or a subclass of it (the test checks against torch's op): torch's
 # kernels raise RuntimeError for a state tensor's dtype or element count, its dtype dispatch
 # NotImplementedError for a gradient dtype it has no kernel for, its Python binding TypeError
-# for None.
+# for None and for a tensor where the list goes.
 BAD_INPUTS = [
     (ALL, "found_inf", zeros(dtype=F64), RTE, "found_inf must be a Float tensor, got Doub"),
     (ALL, "found_inf", zeros(dtype=I32), RTE, "found_inf must be a Float tensor, got Int"),
@@ -1040,6 +1040,7 @@ BAD_INPUTS = [
     (FUSED, "next_scale", zeros(2), RTE, "next_scale must have exactly one element"),
     (FUSED, "next_growth_tracker", zeros(dtype=I64), RTE, "next_growth_tracker must be"),
     (ALL, "grads", lambda d: [torch.ones(2, device=d), None], TypeError, r"grads\[1\] is None"),
+    (ALL, "grads", lambda d: torch.ones(2, device=d), TypeError, "grads must be a list of tensors"),
     (ALL, "grads", grads_with(I32, False), NotImpl, r"grads\[0\] has dtype Int.*integer, bool"),
     (ALL, "grads", grads_with(torch.complex64, False), NotImpl, r"grads\[0\] has dtype Complex"),
     (ALL, "grads", grads_with(torch.complex128), NotImpl, r"grads\[1\] has dtype ComplexDouble"),

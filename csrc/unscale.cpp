@@ -235,9 +235,9 @@ namespace {
 // Autograd-key kernels: run the backend kernel below autograd, then bump the version counters of
 // what was written (the ADInplaceOrView kernel's job).  They pay for themselves against torch's
 // boxed mechanisms, which convert the gradient list to IValues and back.  Measured on the 2-core
-// dev CPU with `python -m benchmarks.autograd_key_cost` (torch 2.14.1: three copies of a
-// (Tensor(a!)[], Tensor(b!)) op whose kernel only walks the list, called from C++ through a
-// typed handle, 16-element grads, minimum of 7 runs):
+// dev CPU with benchmarks/autograd_key_cost.py (retired once decided; in git at b208c16)
+// (torch 2.14.1: three copies of a (Tensor(a!)[], Tensor(b!)) op whose kernel only walks the list,
+// called from C++ through a typed handle, 16-element grads, minimum of 7 runs):
 //                                                     1 tensor    3000 tensors
 //   these kernels (unboxed, bump per written tensor)    57 ns     6.8 ns/tensor
 //   torch's default fallback (warns, bumps nothing)    154 ns    19.2 ns/tensor

@@ -11,6 +11,7 @@ Which file holds what, from the top down (a module imports only modules below it
 
     sharded_grad_scaler  ShardedGradScaler: torch's FSDP1 scaler on GradScaler
     grad_scaler          GradScaler: the protocol (unscale_, step, update, the stages)
+    _no_kernels          GradScaler and friends where no kernels could be had
     _clip, diagnostics   fused unscale + clip; watch() and its reports
     _grad_pass           the pass: which route gradients take, the agreement across ranks
     master_weights       MasterWeights: float32 masters for float16/bfloat16 models
@@ -20,7 +21,6 @@ Which file holds what, from the top down (a module imports only modules below it
     _compile             how the scaler's methods meet torch.compile
     _torch_private       the private torch names relied on, and why
     _extension           where the kernels come from (_build_config, _build_check: the build)
-    _no_kernels          GradScaler and friends without kernels
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)

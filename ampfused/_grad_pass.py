@@ -30,6 +30,7 @@ import torch
 
 from ampfused import _C, _dist
 from ampfused._scale_state import kernel_update_args
+from ampfused._torch_private import tensor_version
 from ampfused.master_weights import MasterWeights
 
 __all__ = ["found_inf", "agree", "unscale_grads", "multiply_grads", "read_param_groups"]
@@ -88,10 +89,6 @@ def fused_walk(method: Callable) -> Callable:
     return method
 
 
-def _walk_hooked(scaler: Any) -> bool:
-    return not getattr(type(scaler)._unscale_grads_, "ampfused_fused_walk", False)
-
-
 # ----------------------------------------------------------------------------- the pass
 def found_inf(
     scaler: Any,
@@ -115,8 +112,9 @@ def found_inf(
     allow_fp16 = allow_fp16 or scaler._allow_fp16  # as _unscale_grads_ for torch's walk
     watch = scaler._watch
     first_table = len(watch.now) if watch is not None else 0
+    hooked = not getattr(type(scaler)._unscale_grads_, "ampfused_fused_walk", False)
     if isinstance(optimizer, MasterWeights):
-        if _walk_hooked(scaler):
+        if hooked:
             raise NotImplementedError(
                 f"{type(scaler).__name__} overrides _unscale_grads_ (e.g. to all-reduce "
                 "found_inf), which a MasterWeights optimizer's pass does not call; use "
@@ -131,7 +129,7 @@ def found_inf(
             inv = inv_scale(scaler)
         # (this pass records no statistics: the tables of earlier passes keep their verdict)
         return agree(scaler, optimizer._grads_to_masters(inv), (), first_table)
-    if _walk_hooked(scaler):
+    if hooked:
         return None
     factors = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
     args = kernel_update_args(factors)
@@ -175,7 +173,7 @@ def found_inf(
     for device, flag, stats, positions in result:
         found[device] = flag
         if device == dev:
-            pending.note(flag)
+            pending.found[id(flag)] = (flag, tensor_version(flag))  # (Pending.note, inline)
         if stats is not None:
             if watch is not None:
                 watch.now.append((stats, positions, groups))

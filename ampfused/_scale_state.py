@@ -468,7 +468,8 @@ class ScaleState:
     def pass_input(self, scale: torch.Tensor, tracker: torch.Tensor) -> torch.Tensor:
         """The state the pass reads: the tensor, or, where _scale/_growth_tracker were replaced
         from outside, a copy of their values with the tensor's counters."""
-        if self.owns(scale, tracker):
+        views = self.views  # (owns(), inline: every pass reads it)
+        if views is not None and scale is views[0] and tracker is views[1]:
             return self.tensor  # type: ignore[return-value]
         return torch.cat(
             (
@@ -561,9 +562,9 @@ class ScaleState:
         """Makes `next` hold this iteration's update: the one the fused passes computed
         (`pending`, from :meth:`take_pending`), when it still holds, else one computed now
         (:meth:`compute_next`).  False where only torch's update() can make it."""
-        if pending is not None and self.pending_holds(pending, scale, tracker, factors, found_infs):
-            return True
-        return self.compute_next(scale, tracker, factors, found_infs, in_place)
+        return (
+            pending is not None and self.pending_holds(pending, scale, tracker, factors, found_infs)
+        ) or self.compute_next(scale, tracker, factors, found_infs, in_place)
 
     def compute_next(
         self,
@@ -613,7 +614,8 @@ class ScaleState:
         state, nxt = self.tensor, self.next
         assert state is not None and nxt is not None
         floor_hit = self.at_min_scale != "clamp" and bool(nxt[FLOOR_HITS] != state[FLOOR_HITS])
-        if self.owns(scale, tracker):
+        views = self.views  # (owns(), inline: every update() commits)
+        if views is not None and scale is views[0] and tracker is views[1]:
             state.copy_(nxt)
         else:
             scale.copy_(self.next_scale)  # type: ignore[arg-type]

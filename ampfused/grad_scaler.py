@@ -110,18 +110,19 @@ def _check_switches(
         )
 
 
-def _check_stage(method: str, stage: OptState) -> None:
+def _stage_error(method: str, stage: OptState) -> None:
+    """Raises the refusal of `method` at `stage`, if it is one (the callers test the cheap
+    common case inline: these run on every step)."""
     message = _STAGE_ERRORS.get((method, stage))
     if message is not None:
         raise RuntimeError(message)
 
 
-def _check_step_kwargs(kwargs: dict[str, Any]) -> None:
-    if "closure" in kwargs:
-        raise RuntimeError(
-            "Closure use is not currently supported if GradScaler is enabled. Compute the "
-            "loss and call scaler.scale(loss).backward() before scaler.step(optimizer)."
-        )
+def _closure_error() -> RuntimeError:
+    return RuntimeError(
+        "Closure use is not currently supported if GradScaler is enabled. Compute the "
+        "loss and call scaler.scale(loss).backward() before scaler.step(optimizer)."
+    )
 
 
 def _no_inf_checks(where: str) -> AssertionError:
@@ -429,7 +430,8 @@ class GradScaler(torch.amp.GradScaler):
             return
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        _check_stage("unscale_", optimizer_state["stage"])
+        if optimizer_state["stage"] is not _READY:
+            _stage_error("unscale_", optimizer_state["stage"])
         # Without scaling there is nothing to divide: the pass only checks (float16 included).
         scaling = self._scaling
         found = _grad_pass.found_inf(
@@ -542,10 +544,12 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return optimizer.step, (), kwargs, _FINISH_NOTHING
         # The refusals, in torch's order: which one a wrong call meets decides the type raised.
-        _check_step_kwargs(kwargs)
+        if "closure" in kwargs:
+            raise _closure_error()
         self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        _check_stage("step", optimizer_state["stage"])
+        if optimizer_state["stage"] is _STEPPED:
+            _stage_error("step", _STEPPED)
         if not supports_amp_scaling(optimizer):
             # An ordinary optimizer sees finished gradients: unscale them (once), then let the
             # host decide from found_inf, which costs the iteration's one sync per device.
@@ -636,14 +640,17 @@ class GradScaler(torch.amp.GradScaler):
         if self._watch is not None:
             self._watch.close_iteration()
         state, scale, tracker = self._scale_state, self._scale, self._growth_tracker
-        pending = state.take_pending()
+        pending, state.pending = state.pending, None  # (update() starts the next record)
         found_infs = self._found_infs()
         if new_scale is not None:
             self._update_to(new_scale, pending, found_infs)
             return
         if len(found_infs) == 0:
             raise _no_inf_checks("update")
-        if not state.prepare_next(pending, scale, tracker, self._factors(), found_infs, True):
+        factors = (self._growth_factor, self._backoff_factor, self._growth_interval)
+        if (
+            pending is None or not state.pending_holds(pending, scale, tracker, factors, found_infs)
+        ) and not state.compute_next(scale, tracker, factors, found_infs, True):  # (prepare_next)
             super().update()
             return
         floor_hit = state.commit(scale, tracker)

@@ -55,7 +55,12 @@ def clip_grad_norm_(
         found = _unit_pass(scaler._scale.device, optimizer, tables)
     else:
         found = _grad_pass.found_inf(
-            scaler, optimizer, check_only=True, allow_fp16=not scaler._scaling, tables=tables
+            scaler,
+            optimizer,
+            check_only=True,
+            allow_fp16=not scaler._scaling,
+            tables=tables,
+            caller_depth=1,  # (GradScaler.clip_grad_norm_, then this function)
         )
     if found is not None and not unscaled:
         optimizer_state["found_inf_per_device"] = found

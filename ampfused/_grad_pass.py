@@ -23,7 +23,6 @@ it (:mod:`ampfused._dist`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,13 +81,6 @@ def group_index(groups: Any, position: int) -> tuple[int, int]:
     raise IndexError(position)
 
 
-def fused_walk(method: Callable) -> Callable:
-    """Marks the scaler's own ``_unscale_grads_``: a subclass that overrides it hooks the
-    unscale, and its gradients take torch's methods, which call the override."""
-    method.ampfused_fused_walk = True  # type: ignore[attr-defined]
-    return method
-
-
 # ----------------------------------------------------------------------------- the pass
 def found_inf(
     scaler: Any,
@@ -96,6 +88,7 @@ def found_inf(
     check_only: bool,
     allow_fp16: bool,
     tables: list | None = None,
+    caller_depth: int = 0,
 ) -> Found | None:
     """One pass over the optimizer's gradients (unscaling them unless check_only), with the
     pending update computed; found_inf per device, agreed across ranks.
@@ -103,7 +96,12 @@ def found_inf(
     Returns None, having read nothing, when torch's method must run instead (its own
     ``unscale_`` / ``_check_inf_per_device``, which call ``_unscale_grads_``).  With ``tables``,
     the pass writes statistics and appends (table, positions, groups) per device to it (none
-    where gradients took torch's walk).
+    where gradients took torch's walk).  caller_depth: frames between the scaler's public
+    method and this call beyond the one (for the warning a watch() gives).
+
+    A scaler subclass that overrides ``_unscale_grads_`` (``scaler._pass_base`` is the class
+    whose ``_unscale_grads_`` is the fused walk) hooks the unscale: its gradients take torch's
+    methods, which call the override.
     """
     scale, tracker = scaler._scale, scaler._growth_tracker
     assert scale is not None and tracker is not None
@@ -112,7 +110,7 @@ def found_inf(
     allow_fp16 = allow_fp16 or scaler._allow_fp16  # as _unscale_grads_ for torch's walk
     watch = scaler._watch
     first_table = len(watch.now) if watch is not None else 0
-    hooked = not getattr(type(scaler)._unscale_grads_, "ampfused_fused_walk", False)
+    hooked = type(scaler)._unscale_grads_ is not scaler._pass_base._unscale_grads_
     if isinstance(optimizer, MasterWeights):
         if hooked:
             raise NotImplementedError(
@@ -121,7 +119,7 @@ def found_inf(
                 "ampfused.GradScaler itself with MasterWeights"
             )
         if watch is not None:
-            watch.not_covered("a MasterWeights optimizer's pass")
+            watch.not_covered("a MasterWeights optimizer's pass", caller_depth)
         # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
         # casts them unscaled, for an optimizer that divides by the scale itself).
         inv = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -156,7 +154,7 @@ def found_inf(
         # A gradient needs torch's walk: run it over the groups read above, with the inputs
         # torch's methods give it.
         if watch is not None:
-            watch.not_covered("torch's own unscale path")
+            watch.not_covered("torch's own unscale path", caller_depth)
         inv = torch.ones((), dtype=torch.float32, device=dev)
         if not check_only:
             inv = scale.double().reciprocal().float()

@@ -216,7 +216,7 @@ def check_constructor(enabled: bool, init_scale: Any, factors: Factors, policy: 
         for name, value in zip(UPDATE_ARGS, factors, strict=True):
             check_update_arg("GradScaler", name, value)
     checked = check_policy("GradScaler", *policy)
-    if enabled:
+    if enabled and (policy[0] is not None or policy[1] is not None):
         _check_init_scale(init_scale, policy[0], policy[1])
     return checked
 
@@ -668,14 +668,26 @@ class ScaleState:
             self.tensor[HYSTERESIS_LEFT:].copy_(torch.tensor(counters, dtype=torch.int32))
         self.pending = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Made again lazily from the scaler's _init_scale, _init_growth_tracker (torch's) and
-        # init_counters, as torch's scaler pickles its scale.
+    # -- pickling: plain values under the scaler's own keys (no ampfused class in a pickle, and
+    # the keys scalers have pickled since the policy exists)
+    SNAPSHOT_KEYS = ("_min_scale", "_max_scale", "_hysteresis", "_at_min_scale")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The policy and the counters (a sync once the tensor exists); the tensors are made
+        again lazily from them and the scaler's _init_scale, _init_growth_tracker, as torch's
+        scaler pickles its scale."""
+        values = (self.min_scale, self.max_scale, self.hysteresis, self.at_min_scale)
         return {
-            "policy": (self.min_scale, self.max_scale, self.hysteresis, self.at_min_scale),
-            "init_counters": self.counter_values(),
+            **dict(zip(self.SNAPSHOT_KEYS, values, strict=True)),
+            "_init_counters": self.counter_values(),
         }
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["policy"])  # type: ignore[misc]
-        self.init_counters = state["init_counters"]
+    @classmethod
+    def from_snapshot(cls, values: Mapping[str, Any]) -> ScaleState:
+        """A state from :meth:`snapshot`'s values; missing ones (a scaler pickled before the
+        policy existed) take the defaults."""
+        defaults = (None, None, 1, "clamp")
+        policy = tuple(values.get(k, d) for k, d in zip(cls.SNAPSHOT_KEYS, defaults, strict=True))
+        state = cls(policy)  # type: ignore[arg-type]
+        state.init_counters = values.get("_init_counters")
+        return state

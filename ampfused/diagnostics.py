@@ -267,7 +267,7 @@ class Watch:
         self.now: list[Table] = []
         self.last: list[Table] = []
 
-    def not_covered(self, path: str) -> None:
+    def not_covered(self, path: str, caller_depth: int = 0) -> None:
         """Warns once that some gradients went through a path that records no statistics."""
         if not self.warned:
             self.warned = True
@@ -277,7 +277,7 @@ class Watch:
                 "overriding _unscale_grads_, or MasterWeights), which records no statistics: "
                 "report() and grad_norms() do not cover that optimizer's gradients",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=4 + caller_depth,
             )
 
     def _passes(self) -> list[tuple[torch.Tensor, torch.Tensor, list]]:

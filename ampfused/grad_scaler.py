@@ -149,6 +149,21 @@ def _warn_legacy_protocol() -> None:
     )
 
 
+# What scalers pickled before the split into ScaleState held beside its snapshot's keys.
+_LEGACY_KEYS = (
+    "_state",
+    "_state_views",
+    "_next",
+    "_next_device",
+    "_next_scale",
+    "_next_growth_tracker",
+    "_pending",
+    "_kernel_policy",
+    "_stats_now",
+    "_stats_last",
+)
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler` (same arguments and defaults).
 
@@ -392,18 +407,24 @@ class GradScaler(torch.amp.GradScaler):
         self._growth_interval = new_interval
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # (the scale state pickles its policy and counters)
+        state = super().__getstate__()
+        del state["_scale_state"]  # as plain values: a copy gets a state of its own
+        state.update(self._scale_state.snapshot())
         # Names are keyed by the parameters' identities, which do not survive pickling.
         state["_watch"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        scale_state = ScaleState.from_snapshot(state)
+        for key in (*ScaleState.SNAPSHOT_KEYS, "_init_counters", *_LEGACY_KEYS):
+            state.pop(key, None)
         self._init_fused_state()
         self.__dict__.update(state)
+        self._scale_state = scale_state
 
     # ----------------------------------------------------------------------------- unscale
     @not_traced_eager
-    @_grad_pass.fused_walk
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -698,7 +719,10 @@ class GradScaler(torch.amp.GradScaler):
         Returns:
             self, so ``scaler = GradScaler("cuda").watch(model)`` works.
         """
-        self._watch = Watch(parameters, log_skipped)
+        watch = Watch(parameters, log_skipped)
+        if self._watch is not None:  # (the statistics recorded so far stay readable)
+            watch.now, watch.last = self._watch.now, self._watch.last
+        self._watch = watch
         return self
 
     @not_traced_eager
@@ -763,3 +787,8 @@ class GradScaler(torch.amp.GradScaler):
             scheduler.step()
         """
         return bool(self.step_skipped_tensor())
+
+
+# The pass takes torch's methods for a subclass that overrides _unscale_grads_: the class whose
+# _unscale_grads_ is the fused walk (see ampfused/_grad_pass.py).
+GradScaler._pass_base = GradScaler

@@ -74,14 +74,10 @@ def _call(op, grads: list[Tensor], *args, out: list[Tensor] | None = None) -> No
     except RuntimeError:
         lists = [("grads", grads)] + ([("out", out)] if out is not None else [])
         for name, tensors in lists:
-            if not isinstance(tensors, (list, tuple)):
+            if isinstance(tensors, Tensor):
                 raise TypeError(
-                    f"{name} must be a list of tensors, not {type(tensors).__name__}"
-                    + (
-                        f"; pass [{name}] for a single tensor"
-                        if isinstance(tensors, Tensor)
-                        else ""
-                    )
+                    f"{name} must be a list of tensors, not a Tensor; pass [{name}] for a single "
+                    "tensor"
                 ) from None
             for i, g in enumerate(tensors):
                 if g is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -356,3 +357,27 @@ def test_scaler_pass_table_equals_reference(device: str, check_only: bool) -> No
     assert torch.equal(na, nb) and torch.equal(fa, fb)
     for a, b in zip(ga, gb, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_watch_again_keeps_the_statistics() -> None:
+    model, opt, scaler = _setup("cpu")
+    _backward(model, scaler, "cpu", torch.float32)
+    scaler.step(opt)
+    scaler.update()
+    norms, text = scaler.grad_norms(), str(scaler.report())
+    scaler.watch(model, log_skipped="log")  # new options, the tables recorded so far kept
+    assert scaler.grad_norms() == norms and str(scaler.report()) == text
+
+
+@pytest.mark.parametrize("call", ["unscale_", "clip_grad_norm_"])
+def test_not_covered_warning_points_at_the_callers_line(call: str) -> None:
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ampfused.GradScaler("cpu").watch([("p", p)])
+    scaler.scale(torch.ones(()))
+    p.grad = two_tensor.TwoTensor(torch.ones(4), torch.ones(4))  # (takes torch's walk)
+    with pytest.warns(RuntimeWarning, match="records no statistics") as record:
+        line = sys._getframe().f_lineno + 1
+        scaler.unscale_(opt) if call == "unscale_" else scaler.clip_grad_norm_(opt, 1.0)
+    assert (record[0].filename, record[0].lineno) == (__file__, line)

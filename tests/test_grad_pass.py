@@ -6,6 +6,7 @@ unscale/update kernels, a subclass overriding _unscale_grads_, and the found_inf
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sys
@@ -332,3 +333,29 @@ def test_found_inf_tensors_kept_across_update():
         results.append([f.item() for f in kept])
     assert results[0] == [1.0, 1.0]  # torch: the first optimizer's tensor now holds the sum
     assert results[1] == [0.0, 1.0]  # ampfused: each optimizer's own result
+
+
+def test_override_wrapped_by_a_decorator_is_honored():
+    """An override made by wrapping the base method (functools.wraps copies its attributes) is
+    still an override: the pass takes torch's methods, which call it."""
+    calls = []
+
+    def traced(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class Traced(FusedScaler):
+        _unscale_grads_ = traced(FusedScaler._unscale_grads_)
+
+    p = torch.ones(3, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = Traced("cpu", init_scale=4.0)
+    p.grad = torch.full((3,), 8.0)
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)
+    scaler.update()
+    assert calls == ["_unscale_grads_"] and torch.equal(p.detach(), torch.full((3,), 0.8))

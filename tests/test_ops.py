@@ -1040,7 +1040,13 @@ BAD_INPUTS = [
     (FUSED, "next_scale", zeros(2), RTE, "next_scale must have exactly one element"),
     (FUSED, "next_growth_tracker", zeros(dtype=I64), RTE, "next_growth_tracker must be"),
     (ALL, "grads", lambda d: [torch.ones(2, device=d), None], TypeError, r"grads\[1\] is None"),
-    (ALL, "grads", lambda d: torch.ones(2, device=d), TypeError, "grads must be a list of tensors"),
+    (
+        ALL,
+        "grads",
+        lambda d: torch.ones(2, device=d),
+        TypeError,
+        "grads must be a list of tensors, not a Tensor",
+    ),
     (ALL, "grads", grads_with(I32, False), NotImpl, r"grads\[0\] has dtype Int.*integer, bool"),
     (ALL, "grads", grads_with(torch.complex64, False), NotImpl, r"grads\[0\] has dtype Complex"),
     (ALL, "grads", grads_with(torch.complex128), NotImpl, r"grads\[1\] has dtype ComplexDouble"),
@@ -1795,3 +1801,11 @@ def test_walk_unscales_grads_that_require_grad(device, fused):
     walk_torch(theirs, device)
     assert_bits(w.grad.detach(), v.grad.detach(), "grad")
     assert w.grad[0].item() == 1024.0
+
+
+def test_a_sequence_other_than_a_list_keeps_the_kernels_error():
+    """Only a tensor where the list goes is the argument's TypeError: a sequence the schema
+    parser takes (a ParameterList) meets the kernel's own check."""
+    grads = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(RuntimeError, match="^found_inf must have exactly one element"):
+        ops.non_finite_check_and_unscale_(grads, torch.zeros(2), torch.ones(()))

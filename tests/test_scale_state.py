@@ -359,14 +359,17 @@ def test_scale_state_commits_into_replaced_tensors(device):
     assert not state.compute_next(scale.double(), tracker, _RULE, [found], in_place=False)
 
 
-def test_scale_state_pickles_its_policy_and_counters(device):
+def test_scale_state_snapshot_keeps_its_policy_and_counters(device):
     state, scale, tracker = _state_on(device, (None, 2.0**8, 3, "clamp"))
     for found in (1, 0, 1):
         flag = torch.full((), float(found), device=device)
         state.prepare_next(state.take_pending(), scale, tracker, _RULE, [flag], False)
         state.commit(scale, tracker)
     counters = state.counter_values()
-    copy = pickle.loads(pickle.dumps(state))
+    snapshot = state.snapshot()
+    # plain values only: a pickle of the scaler names no ampfused class for them
+    assert all(v is None or type(v) in (int, float, str, list) for v in snapshot.values())
+    copy = ScaleState.from_snapshot(snapshot)
     assert copy.tensor is None and copy.pending is None  # made again lazily
     assert (copy.min_scale, copy.max_scale, copy.hysteresis, copy.at_min_scale) == (
         None,
@@ -377,3 +380,101 @@ def test_scale_state_pickles_its_policy_and_counters(device):
     copy.make(float(scale), int(tracker), torch.device(device))
     assert reference.state_to_list(copy.tensor) == reference.state_to_list(state.tensor)
     assert copy.counter_values() == counters
+
+
+# ------------------------------------------------------------------------------- copies, pickles
+def _iteration(scaler, model, opt, inf: bool) -> None:
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    if inf:
+        model.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_shallow_copy_has_a_state_of_its_own():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = FusedScaler("cpu", hysteresis=2)
+    _iteration(scaler, model, opt, False)
+    before = scaler.counters()
+    twin = copy.copy(scaler)
+    for _ in range(3):
+        _iteration(twin, model, opt, True)
+    assert scaler.counters() == before  # untouched by the copy's iterations
+    assert twin.counters()["steps"] == 4 and twin.counters()["skipped_steps"] == 3
+    assert scaler.state_dict()["ampfused"]["steps"] == 1
+
+
+# Pickled by ampfused at c0bf0b3 (before the scaler's state moved into ScaleState): init_scale 64,
+# min_scale 4, hysteresis 3, at_min_scale "warn", after a clean and a skipped iteration.
+OLD_PICKLE = (
+    "gASVqQIAAAAAAACMFGFtcGZ1c2VkLmdyYWRfc2NhbGVylIwKR3JhZFNjYWxlcpSTlCmBlH2UKIwHX2RldmljZZSMA2Nw"
+    "dZSMCF9lbmFibGVklIiMC19pbml0X3NjYWxllEdAUAAAAAAAAIwGX3NjYWxllE6MDl9ncm93dGhfZmFjdG9ylEdAAAAA"
+    "AAAAAIwPX2JhY2tvZmZfZmFjdG9ylEc/4AAAAAAAAIwQX2dyb3d0aF9pbnRlcnZhbJRN0AeMFF9pbml0X2dyb3d0aF90"
+    "cmFja2VylEsAjA9fZ3Jvd3RoX3RyYWNrZXKUTowVX3Blcl9vcHRpbWl6ZXJfc3RhdGVzlIwLY29sbGVjdGlvbnOUjAtk"
+    "ZWZhdWx0ZGljdJSTlGgAjBZfZnJlc2hfb3B0aW1pemVyX3N0YXRllJOUhZRSlIwGX3N0YXRllE6MDF9zdGF0ZV92aWV3"
+    "c5ROjAVfbmV4dJROjAtfbmV4dF9zY2FsZZROjBRfbmV4dF9ncm93dGhfdHJhY2tlcpROjAhfcGVuZGluZ5ROjAhfc2Nh"
+    "bGluZ5SIjAZfd2F0Y2iUTowKX3N0YXRzX25vd5RdlIwLX3N0YXRzX2xhc3SUXZSMCl9taW5fc2NhbGWUR0AQAAAAAAAA"
+    "jApfbWF4X3NjYWxllE6MC19oeXN0ZXJlc2lzlEsDjA1fYXRfbWluX3NjYWxllIwEd2FybpSMDl9rZXJuZWxfcG9saWN5"
+    "lEdAEAAAAAAAAEd/8AAAAAAAAEsDh5SMDl9pbml0X2NvdW50ZXJzlF2UKEsCSwJLAUsBSwBLAEsAZYwLX2FsbG93X2Zw"
+    "MTaUiYwPX2ZvdW5kX2luZl9wbGFulF2UjAxfbmV4dF9kZXZpY2WUjAV0b3JjaJSMBmRldmljZZSTlIwDY3B1lIWUUpR1"
+    "Yi4="
+)
+
+
+def test_scaler_pickled_before_the_split_keeps_policy_and_counters():
+    import base64
+
+    scaler = pickle.loads(base64.b64decode(OLD_PICKLE))
+    assert (scaler.min_scale, scaler.max_scale, scaler.hysteresis, scaler.at_min_scale) == (
+        4.0,
+        None,
+        3,
+        "warn",
+    )
+    assert scaler.counters() == {
+        "steps": 2,
+        "skipped_steps": 1,
+        "consecutive_skips": 1,
+        "growths": 0,
+        "backoffs": 0,
+        "floor_hits": 0,
+        "hysteresis_left": 2,
+    }
+    assert not {"_state", "_pending", "_stats_now", "_min_scale"} & set(vars(scaler))
+    model = torch.nn.Linear(2, 2)
+    _iteration(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), False)
+    assert scaler.get_scale() == 64.0 and scaler.counters()["steps"] == 3
+
+
+def test_weights_only_load_needs_no_ampfused_private_class(tmp_path):
+    import collections
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    import ampfused.grad_scaler as gs
+
+    model = torch.nn.Linear(2, 2)
+    scaler = FusedScaler("cpu", init_scale=2.0, min_scale=1.0)
+    fresh = tmp_path / "fresh.pt"
+    torch.save(scaler, fresh)  # (torch's defaultdict factory before the first update())
+    _iteration(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), False)
+    used = tmp_path / "used.pt"
+    torch.save(scaler, used)
+    safe = [
+        FusedScaler,
+        collections.defaultdict,
+        _refresh_per_optimizer_state,
+        gs._fresh_optimizer_state,
+    ]
+    with torch.serialization.safe_globals(safe):
+        for path, steps in ((fresh, 0), (used, 1)):
+            loaded = torch.load(path, weights_only=True)
+            assert loaded.get_scale() == 2.0 and loaded.min_scale == 1.0
+            assert loaded.counters()["steps"] == steps
+
+
+def test_init_scale_of_a_type_torch_takes_needs_no_float_without_bounds():
+    # torch.full accepts it; float() would not: only bounds compare init_scale as a float.
+    FusedScaler("cpu", init_scale=2 + 0j)

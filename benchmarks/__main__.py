@@ -35,20 +35,11 @@ DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive loop,
-ampfused's raw op and (GPU, when importable) apex, with the memory floor in the same run.
-Questions (benchmarks/README.md):
-  step_cost    per-step cost on 3000 x 16, 1000 x 1K, GPT-2 124M and 4 x 16M fp32
-  diagnostics  watch() / grad_norms() vs the plain pass and torch + per-layer norms by hand
-  clip         GradScaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_
-  masters      float16 parameters, float32 masters: MasterWeights vs the recipe by hand
-  distributed  2 CPU processes (gloo): found_inf all-reduced; sharded and FSDP2 (DTensor)
-  models       GPT-2, Llama-style 1B (7B on GPU), ResNet-50, BERT-base x dtypes x inf
-  counts       1 to 10,000 tensors of 16 and 1024 elements
-  sizes        8 tensors of 16 to 2^28 elements (capped on CPU)
-  e2e          a small GPT trained with float16 autocast under each scaler
-  instructions host cost in instructions per call (only when named: minutes)
-Writes results.jsonl, results.md and plots to benchmarks/results/<device>/ (<device>/quick/
-with --quick).  python -m benchmarks.compare OLD NEW lists the rows that got slower."""
+ampfused's raw op and (GPU) apex, with the memory floor in the same run: one table per question
+(see benchmarks/README.md), then ampfused's own targets, written with plots to
+benchmarks/results/<device>/ (<device>/quick/ with --quick).  The default runs every question
+but instructions (minutes under callgrind).  python -m benchmarks.compare OLD NEW lists the
+rows that got slower."""
 
 
 def _csv(choices: tuple[str, ...] | list[str]):  # noqa: ANN202
@@ -156,40 +147,32 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
     )
     command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
     run = Run(args, device, out, args.only or list(DEFAULT), command, ctx, header(device))
-    n = run.notes
-    if not run.gpu:
-        n.append(
-            "No GPU: device time, the device-copy floor, kernel launches and host syncs are "
-            "GPU-only; the op columns give dispatcher ops and .item() calls per step (each "
-            ".item() is a blocking host sync on a GPU)."
+    apex = "GPU only" if run.hdr["apex"] == "available" else "not importable"
+    run.notes += [
+        x
+        for x, shown in (
+            ("No GPU: device times, floor-copy, launches and syncs are GPU-only; the op columns "
+             "count dispatcher ops and .item() calls (each a host sync on a GPU).", not run.gpu),
+            (f"apex (amp_C.multi_tensor_scale): {apex}, column skipped",
+             not METHODS["apex"].present(device)),
+            ("fp16 and mixed: both scalers unscale float16 grads in place (torch's private "
+             "allow_fp16 path, ampfused's allow_fp16=True); mixed = fp32, bf16 or fp16 per "
+             "tensor at random (fixed seed).", True),
+            ("torch's CUDA unscale kernel has no bfloat16: torch, torch-ops n/a on bf16, mixed.",
+             run.gpu),
+            ("Before each timed step, untimed: the gradients restored, every scale reset to 2^16 "
+             "(torch-ops groups the lists by dtype once).", True),
+            ("Batched timing: a sample times a loop of steps with one synchronization at the end, "
+             "minus the same loop without the step ('restore (subtracted)'); a step with a host "
+             "sync inside (both scalers' step(), naive, apex) drains the device every step.",
+             batched(ctx.timing, device)),
         )
-    if METHODS["apex"].present(device) is False:
-        why = "GPU only" if run.hdr["apex"] == "available" else "not importable"
-        n.append(f"apex (amp_C.multi_tensor_scale): {why}, column skipped")
-    n.append(
-        "float16 and mixed workloads: both scalers unscale float16 grads in place (torch's "
-        "private allow_fp16 path, ampfused's GradScaler(allow_fp16=True)). mixed = each tensor "
-        "fp32, bf16 or fp16 at random (fixed seed)."
-    )
-    if run.gpu:
-        n.append(
-            "torch's CUDA unscale kernel has no bfloat16: torch, torch-ops n/a on bf16, mixed."
-        )
-    n.append(
-        "Gradients are restored from a pristine copy and every scale reset to 2^16 before each "
-        "timed step (untimed). torch-ops groups the lists by dtype once, outside the timing."
-    )
-    if batched(ctx.timing, device):
-        n.append(
-            "Batched timing: each sample times a loop of consecutive steps (restore, reset, "
-            "step) with one synchronization at the end, minus the same loop without the step; "
-            "the restores' cost per step is 'restore (subtracted)'. A step with a host sync "
-            "inside it (both scalers' step(), naive, apex) drains the device every step."
-        )
+        if shown
+    ]  # fmt: skip
     for q in run.questions:
         if q in QUESTIONS:
             run.plan[q] = QUESTIONS[q].plan(ctx, args)
-            n += QUESTIONS[q].notes(ctx, args)
+            run.notes += QUESTIONS[q].notes(ctx, args)
     return run
 
 
@@ -248,18 +231,11 @@ def collect_notes(run: Run) -> None:
             f"{share:.1%} of all CPU time during the run ({per_question})"
         )
         if share > 0.05 and not run.gpu:
-            run.notes.insert(
-                0,
-                f"Other processes (or hypervisor steal) used {share:.0%} of the CPU time during "
-                f"this run: CPU timings are disturbed (per question: {per_question}). Rerun on an "
-                "idle machine for clean numbers.",
-            )
+            busy = f"Other processes (or hypervisor steal) used {share:.0%} of the CPU time"
+            run.notes.insert(0, f"{busy} ({per_question}): rerun on an idle machine.")
     if any(r.realloc for r in run.records):
-        run.notes.append(
-            "realloc rows: every restore replaces each gradient by a new tensor (zero_grad"
-            "(set_to_none=True), then one allocation per parameter, last layer first, as "
-            "backward does); the note gives how often the pointer list changed."
-        )
+        realloc = "new gradient tensors every step, last layer first, as after zero_grad()"
+        run.notes.append(f"realloc rows: {realloc}; the note: how often the pointers changed.")
     run.notes += run.ctx.notes
     run.errors += [
         f"{r.question}:{r.workload} {r.dtype} {r.method}: {r.note}"

@@ -262,19 +262,9 @@ def derive(recs: list[Record]) -> None:
 
 
 # --------------------------------------------------------------------------- counts
-_LAUNCH = {
-    "cudaLaunchKernel",
-    "cudaLaunchKernelExC",
-    "cuLaunchKernel",
-    "cuLaunchKernelEx",
-    "cudaLaunchCooperativeKernel",
-}
-_SYNC = {
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "cudaMemcpy",  # the synchronous variant
-}
+_LAUNCH = set("cudaLaunchKernel cudaLaunchKernelExC cuLaunchKernel cuLaunchKernelEx".split())
+_LAUNCH.add("cudaLaunchCooperativeKernel")
+_SYNC = set("cudaStreamSynchronize cudaDeviceSynchronize cudaEventSynchronize cudaMemcpy".split())
 _ITEM = "aten::_local_scalar_dense"
 _MARK = "ampfused_bench#"
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,7 @@ def load(path: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- comparison
-@dataclass
-class Timing:
-    status: str
-    median_s: float | None
-    q1_s: float | None
-    q3_s: float | None
+Timing = namedtuple("Timing", "status median_s q1_s q3_s")
 
 
 @dataclass

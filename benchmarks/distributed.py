@@ -160,14 +160,7 @@ def _measure_rank(
 
 
 def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    sets: Sequence[Workload],
-    names: Sequence[str],
-    cfg: TimingConfig,
-    profile: bool,
-    out: Any,
+    rank: int, port: int, sets: list, names: tuple, cfg: TimingConfig, profile: bool, out: Any
 ) -> None:
     """One process: puts ``("result", rank, index, RankResult)`` per workload, then ``("done",
     rank)``, or ``("error", rank, traceback)``."""
@@ -181,7 +174,7 @@ def _rank_main(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=world,
+            world_size=WORLD_SIZE,
             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
         )
         try:
@@ -282,7 +275,7 @@ def run(
     procs = [
         mp.Process(
             target=_rank_main,
-            args=(rank, WORLD_SIZE, port, todo, tuple(names), cfg, ctx.profile, out),
+            args=(rank, port, todo, tuple(names), cfg, ctx.profile, out),
             daemon=True,
         )
         for rank in range(WORLD_SIZE)

@@ -16,12 +16,8 @@ from benchmarks.timing import TimingConfig
 from benchmarks.workloads import DTYPE_NAMES, MODELS, Workload, gpt2_124m, uniform
 
 # The targets' questions take more samples: their figures are ratios a few percent apart.
-TARGET_TIMING = TimingConfig(
-    warmup=3, min_rounds=15, enough_rounds=61, min_time_s=0.5, max_wall_s=20.0
-)
-QUICK_TARGET_TIMING = TimingConfig(
-    warmup=2, min_rounds=5, enough_rounds=11, min_time_s=0.1, max_wall_s=2.5, batch_s=0.02
-)
+TARGET_TIMING = TimingConfig(3, 15, 61, min_time_s=0.5, max_wall_s=20.0)
+QUICK_TARGET_TIMING = TimingConfig(2, 5, 11, min_time_s=0.1, max_wall_s=2.5, batch_s=0.02)
 
 
 def _w(name: str, shapes: Sequence, dtype: str = "fp32", family: str = "target") -> Workload:
@@ -214,53 +210,30 @@ def _sizes_notes(ctx: Context, args: argparse.Namespace) -> list[str]:
     return [] if cap == LOG2_SIZES[-1] else [f"sizes capped at 2^{cap} elements (time budget)"]
 
 
-QUESTIONS: dict[str, Question] = {
-    q.name: q
-    for q in (
-        Question(
-            "step_cost",
-            "Per-step scaler cost on the target gradient sets",
-            _step_cost_plan,
-            _step_cost_table,
-            target_timing=True,
-        ),
-        Question(
-            "diagnostics",
-            "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
-            _diagnostics_plan,
-            _diagnostics_table,
-            target_timing=True,
-            python_cost=True,
-        ),
-        Question(
-            "clip",
-            "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_",
-            lambda ctx, args: (
-                [(w, CLIP_METHODS) for w in (GPT2, X4_16M, X1000_1K)]
-                + ([] if ctx.quick else [(GPT2_MIXED, CLIP_METHODS)])
-            ),
-            _fused_table(CLIP_METHODS),
-            target_timing=True,
-        ),
-        Question(
-            "masters",
-            "float16 model, float32 masters: MasterWeights vs the recipe by hand",
-            lambda ctx, args: [(w, MASTERS_METHODS) for w in MASTERS_SETS],
-            _fused_table(MASTERS_METHODS),
-            target_timing=True,
-        ),
-        Question(
-            "models",
-            "Model gradient sets",
-            lambda ctx, args: [(w, None) for w in _models(ctx, args)[0]],
-            notes=lambda ctx, args: _models(ctx, args)[1],
-        ),
-        Question("counts", "Tensor-count sweep", _counts_plan),
-        Question(
-            "sizes", "Tensor-size sweep (8 tensors per size)", _sizes_plan, notes=_sizes_notes
-        ),
-    )
-}
+def _clip_plan(ctx: Context, args: argparse.Namespace) -> list:
+    sets = (GPT2, X4_16M, X1000_1K) + (() if ctx.quick else (GPT2_MIXED,))
+    return [(w, CLIP_METHODS) for w in sets]
+
+
+def _models_plan(ctx: Context, args: argparse.Namespace) -> list:
+    return [(w, None) for w in _models(ctx, args)[0]]
+
+
+QUESTIONS: dict[str, Question] = {q.name: q for q in (
+    Question("step_cost", "Per-step scaler cost on the target gradient sets", _step_cost_plan,
+             _step_cost_table, target_timing=True),
+    Question("diagnostics", "Diagnostics: the pass with per-gradient statistics vs per-layer "
+             "norms by hand", _diagnostics_plan, _diagnostics_table, True, python_cost=True),
+    Question("clip", "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + "
+             "clip_grad_norm_", _clip_plan, _fused_table(CLIP_METHODS), target_timing=True),
+    Question("masters", "float16 model, float32 masters: MasterWeights vs the recipe by hand",
+             lambda ctx, args: [(w, MASTERS_METHODS) for w in MASTERS_SETS],
+             _fused_table(MASTERS_METHODS), target_timing=True),
+    Question("models", "Model gradient sets", _models_plan,
+             notes=lambda ctx, args: _models(ctx, args)[1]),
+    Question("counts", "Tensor-count sweep", _counts_plan),
+    Question("sizes", "Tensor-size sweep (8 tensors per size)", _sizes_plan, notes=_sizes_notes),
+)}  # fmt: skip
 
 
 def render(q: str, records: list[Record], gpu: bool, tablefmt: str = "simple") -> str:

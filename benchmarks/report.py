@@ -303,25 +303,22 @@ def plots(records: Sequence[Record], out: Path, title: str) -> dict[str, Path]:
 
 # --------------------------------------------------------------------------- results.md
 def method_text(records: Sequence[Record]) -> str:
-    common = (
-        "GB/s = bytes read + written (8 B per fp32 element for an unscale) / median time; "
-        "*x floor* = time / time of an in-place `torch._foreach_mul_` over the same gradients "
-        "in the same run; *speedup* = torch.amp.GradScaler time / this time. *realloc* rows: "
-        "new gradient tensors every step, as after `zero_grad(set_to_none=True)`."
+    batched = any(r.timing == "batched" for r in records)
+    how = (
+        'timed as a training loop runs (benchmarks/README.md, "Method"): a sample is a batch of '
+        "consecutive steps (*steps/sample*) with one device synchronization at the end, minus the "
+        "same batch of untimed gradient restores; *host* = CPU time to queue one step; *device* "
+        "= device time of one step from CUDA events"
+        if batched
+        else "host wall time including device completion"
     )
-    if not any(r.timing == "batched" for r in records):
-        return (
-            "Times are per optimizer step, host wall time including device completion, median "
-            "over interleaved rounds (IQR = interquartile range); " + common
-        )
     return (
-        "Times are per optimizer step, timed as a training loop runs: each sample is a batch "
-        "of consecutive steps (*steps/sample*) with one device synchronization at the end, "
-        "minus a batch of the same untimed gradient restores without the steps; median over "
-        "interleaved rounds (IQR = interquartile range). *host* = CPU time to queue one step "
-        "(launches, Python, host syncs inside the step); *device* = device time of one step "
-        "from CUDA events, the batch queued behind a device spin (a step with a host sync "
-        "inside also pays the device's idle time while the host turns around). " + common
+        f"Times are per optimizer step, {how}; median over interleaved rounds (IQR = "
+        "interquartile range). GB/s = bytes read + written (8 B per fp32 element for an "
+        "unscale) / median time; *x floor* = time / time of an in-place `torch._foreach_mul_` "
+        "over the same gradients in the same run; *speedup* = torch.amp.GradScaler time / this "
+        "time. *realloc* rows: new gradient tensors every step, as after "
+        "`zero_grad(set_to_none=True)`."
     )
 
 

@@ -261,24 +261,10 @@ class GradSet:
     def release(self) -> None:
         for p in self.params:
             p.grad = None
-        self.grads.clear()
-        self.params.clear()
-        self.groups.clear()
-        self.pristine_groups.clear()
-        self.grad_slots.clear()
-        self.flats.clear()
-        self.pristine.clear()
-        self.optimizer.param_groups.clear()
-
-
-def _fill(flat: torch.Tensor, gen: torch.Generator) -> None:
-    # A random block tiled over the buffer: cheap for billions of elements.
-    block = 1 << 20
-    base = (torch.randn(block, generator=gen) * (GRAD_STD * INIT_SCALE)).to(flat.device)
-    n = flat.numel()
-    for start in range(0, n, block):
-        end = min(n, start + block)
-        flat[start:end].copy_(base[: end - start])
+        for c in (self.grads, self.params, self.groups, self.pristine_groups, self.grad_slots):
+            c.clear()
+        for c in (self.flats, self.pristine, self.optimizer.param_groups):
+            c.clear()
 
 
 def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
@@ -293,9 +279,11 @@ def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
         used[dt] = start + math.prod(shape)
     gen = torch.Generator().manual_seed(seed)
     flats: dict[torch.dtype, torch.Tensor] = {}
-    for dt, n in used.items():
-        flats[dt] = torch.empty(n, dtype=dt, device=device)
-        _fill(flats[dt], gen)
+    for dt, n in used.items():  # a random block tiled over each buffer: cheap for billions
+        base = (torch.randn(1 << 20, generator=gen) * (GRAD_STD * INIT_SCALE)).to(device)
+        flats[dt] = flat = torch.empty(n, dtype=dt, device=device)
+        for start in range(0, n, 1 << 20):
+            flat[start : start + (1 << 20)].copy_(base[: min(n - start, 1 << 20)])
     grads = [
         flats[dt][off : off + math.prod(shape)].view(shape)
         for shape, dt, off in zip(workload.shapes, dtypes, offsets, strict=True)
@@ -306,33 +294,22 @@ def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
     pristine = {dt: f.clone() for dt, f in flats.items()}
     # Parameters are views of the pristine buffers (no extra memory; never written).
     params = []
-    for shape, dt, off in zip(workload.shapes, dtypes, offsets, strict=True):
-        p = torch.nn.Parameter(pristine[dt][off : off + math.prod(shape)].view(shape))
-        params.append(p)
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     pristine_groups: dict[torch.dtype, list[torch.Tensor]] = {}
     slots: list[tuple[torch.dtype, int]] = []
-    for p, g in zip(params, grads, strict=True):
+    for shape, g, off in zip(workload.shapes, grads, offsets, strict=True):
+        p = torch.nn.Parameter(pristine[g.dtype][off : off + math.prod(shape)].view(shape))
+        p.grad = g
+        params.append(p)
         slots.append((g.dtype, len(groups.get(g.dtype, []))))
         groups.setdefault(g.dtype, []).append(g)
         pristine_groups.setdefault(g.dtype, []).append(p.detach())
-    gs = GradSet(
-        workload=workload,
-        device=device,
-        grads=grads,
-        params=params,
-        optimizer=NoOpOptimizer(params),
-        flats=flats,
-        pristine=pristine,
-        groups=groups,
-        pristine_groups=pristine_groups if workload.realloc else {},
-        grad_slots=slots if workload.realloc else [],
-    )
+    r = workload.realloc
+    gs = GradSet(workload, device, grads, params, NoOpOptimizer(params), flats, pristine, groups,
+                 pristine_groups if r else {}, slots if r else [])  # fmt: skip
     if workload.realloc:
         # Separate allocations from here on; no local view may keep a flat buffer alive.
-        g = p = None
+        g = p = flat = None
         flats.clear()
         gs.restore()
     return gs

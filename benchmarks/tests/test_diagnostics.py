@@ -98,6 +98,7 @@ def records(watch_ms: float, watch_code: list[int]) -> list:
         (22.0, [900, 900, 900], [True, True, True]),
         (23.0, [900, 901, 950], [True, True, True]),  # a handful more, not one per parameter
         (23.2, [1000, 1900, 3900], [False, False, False]),  # one bytecode per tensor
+        (22.0, [900, 1100, 1500], [True, True, False]),  # one per five tensors
     ],
 )
 def test_targets(watch_ms: float, code: list[int], passed: list[bool]) -> None:

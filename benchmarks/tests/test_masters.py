@@ -22,7 +22,11 @@ def test_fused_and_by_hand_masters_agree() -> None:
         runner = METHODS[name].factory(gs)
         gs.restore()
         expected = [g.float() * 2.0**-16 for g in gs.grads]
+        versions = [p._version for p in runner.params]
         runner.run()
+        assert all(
+            p._version > v for p, v in zip(runner.params, versions, strict=True)
+        )  # copied back
         masters = runner.optimizer.param_groups[0]["params"]
         assert all(m.dtype == torch.float32 for m in masters)
         assert all(torch.equal(m.grad, e) for m, e in zip(masters, expected, strict=True))

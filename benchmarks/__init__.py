@@ -9,7 +9,7 @@
 - ``timing``        interleaved timing: per step (CPU) and batched (GPU)
 - ``suite``         one workload's methods timed into records; profiler and bytecode counts
 - ``report``        number formats, tables, plots; ``targets`` our own performance targets
-- ``compare``       the results files, and ``python -m benchmarks.compare OLD NEW``
+- ``compare``       results.jsonl, and ``python -m benchmarks.compare OLD NEW``
 - ``env``           the environment header and device helpers
 
 Results live in ``benchmarks/results/<device>/``.

@@ -31,30 +31,15 @@ TITLES["e2e"] = "End-to-end: small GPT, float16 autocast, each scaler"
 TITLES["instructions"] = "Host cost in instructions per call (torch on one thread)"
 ORDER = ("step_cost", "diagnostics", "clip", "masters", "distributed", "models", "counts")
 ORDER += ("sizes", "e2e", "instructions")
-# Not in the default set: under callgrind (no hardware counter) it takes minutes.
-DEFAULT = ORDER[:-1]
+DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 
 DESCRIPTION = """\
-Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive Python
-loop, ampfused's raw op and (when importable, on GPU) apex, with the memory floor measured in
-the same run.  Questions (benchmarks/questions.py, distributed.py, e2e.py, instructions.py):
-  step_cost    per-step cost on 3000 x 16, 1000 x 1K, GPT-2 124M and 4 x 16M fp32
-  diagnostics  the pass with per-gradient statistics (watch, grad_norms()) vs the plain pass
-               and vs torch's scaler + per-layer norms by hand
-  clip         GradScaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_
-  masters      float16 parameters, float32 masters: MasterWeights vs the recipe by hand
-  distributed  2 CPU processes (gloo): found_inf all-reduced; sharded and FSDP2 (DTensor)
-  models       GPT-2, Llama-style 1B (7B on GPU), ResNet-50, BERT-base x dtypes x inf
-  counts       1 to 10,000 tensors of 16 and 1024 elements
-  sizes        8 tensors of 16 to 2^28 elements (capped on CPU)
-  e2e          a small GPT trained with float16 autocast under each scaler
-  instructions host cost in instructions per call (perf counter, else callgrind: minutes);
-               only when named (--only instructions)
-Prints a summary of how ampfused compares, one table per question, then ampfused's own
-performance targets; writes results.jsonl (committed), results.json (git-ignored), results.md
-and PNG plots to benchmarks/results/<device>/ (<device>/quick/ with --quick).  A full run takes
-under 10 minutes on a 2-core CPU, --quick under a minute.
-python -m benchmarks.compare OLD NEW lists the rows that got slower between two runs."""
+Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive loop,
+ampfused's raw op and (GPU) apex, with the memory floor in the same run: one table per question
+(see benchmarks/README.md), then ampfused's own targets, written with plots to
+benchmarks/results/<device>/ (<device>/quick/ with --quick).  The default runs every question
+but instructions (minutes under callgrind).  python -m benchmarks.compare OLD NEW lists the
+rows that got slower."""
 
 
 def _csv(choices: tuple[str, ...] | list[str]):  # noqa: ANN202
@@ -84,43 +69,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="W[,W]",
         help="models: " + ", ".join(MODELS),
     )
-    add("--methods", type=_csv(COMPARED), metavar="M[,M]", help="methods (floors always run)")
-    add(
-        "--dtypes",
-        type=_csv(DTYPE_NAMES),
-        metavar="D[,D]",
-        help="models (default all), sweeps (fp32)",
-    )
-    add("--inf", choices=("both", "no", "yes"), help="models: with/without an injected inf")
+    add("--methods", type=_csv(COMPARED), metavar="M[,M]", help=f"of {', '.join(COMPARED)}")
+    add("--dtypes", type=_csv(DTYPE_NAMES), metavar="D[,D]", help="models (all), sweeps (fp32)")
     add("--out", type=Path, help="output folder (default: benchmarks/results/<device>)")
     add(
-        "--timing",
-        choices=TIMING_MODES,
-        default="auto",
-        help="per-step: one synchronized sample per step; batched: loops of steps with one "
-        "sync at the end, restores subtracted (default auto: batched on GPU, per-step on CPU)",
+        "--timing", choices=TIMING_MODES, default="auto", help="auto: batched on GPU, else per-step"
     )
     add("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    add("--no-profile", action="store_true", help="skip the profiler op counts")
     add("--no-plots", action="store_true", help="skip the PNG plots")
     add("--no-progress", action="store_true", help="no progress bar")
-    add("--list", action="store_true", help="list questions, workloads, methods; exit")
     return p.parse_args(argv)
-
-
-def list_everything() -> None:
-    print("questions:", ", ".join(ORDER))
-    print("model workloads:")
-    for m in MODELS.values():
-        n = sum(torch.Size(s).numel() for s in m.shapes())
-        gpu = "  (GPU only)" if m.gpu_only else ""
-        print(
-            f"  {m.name:10s} {m.title:16s} {len(m.shapes()):4d} tensors {n:>14,d} parameters{gpu}"
-        )
-    print("methods:")
-    for m in METHODS.values():
-        print(f"  {m.name:16s} [{m.kind}] {m.description}")
-    print("dtypes:", ", ".join(DTYPE_NAMES))
 
 
 @dataclass
@@ -155,9 +113,6 @@ class Run:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.list:
-        list_everything()
-        return 0
     run = environment(args, argv)
     if run is None:
         return 2
@@ -175,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
-    """The device, output folder, timing context, environment header and the notes they imply;
-    None (after an error message) when the device asked for is not there."""
+    """The device, output folder, context, header and the notes they imply (None: no GPU)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device) if args.device else default_device()
@@ -185,60 +139,50 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
         return None
     out = args.out or (RESULTS / device_slug(device) / ("quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)
-    given = sys.argv[1:] if argv is None else argv
     ctx = Context(
         device=device,
         timing=dataclasses.replace(QUICK_TIMING if args.quick else FULL_TIMING, mode=args.timing),
         methods=select(args.methods, device),
         quick=args.quick,
-        profile=not args.no_profile,
     )
-    command = " ".join(["python -m benchmarks", *given])
+    command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
     run = Run(args, device, out, args.only or list(DEFAULT), command, ctx, header(device))
-    n = run.notes
-    if not run.gpu:
-        n.append(
-            "No GPU: device time, the device-copy floor, kernel launches and host syncs are "
-            "GPU-only; the op columns give dispatcher ops and .item() calls per step (each "
-            ".item() is a blocking host sync on a GPU)."
+    apex = "GPU only" if run.hdr["apex"] == "available" else "not importable"
+    run.notes += [
+        x
+        for x, shown in (
+            ("No GPU: device times, floor-copy, launches and syncs are GPU-only; the op columns "
+             "count dispatcher ops and .item() calls (each a host sync on a GPU).", not run.gpu),
+            (f"apex (amp_C.multi_tensor_scale): {apex}, column skipped",
+             not METHODS["apex"].present(device)),
+            ("fp16 and mixed: both scalers unscale float16 grads in place (torch's private "
+             "allow_fp16 path, ampfused's allow_fp16=True); mixed = fp32, bf16 or fp16 per "
+             "tensor at random (fixed seed).", True),
+            ("torch's CUDA unscale kernel has no bfloat16: torch, torch-ops n/a on bf16, mixed.",
+             run.gpu),
+            ("Before each timed step, untimed: the gradients restored, every scale reset to 2^16 "
+             "(torch-ops groups the lists by dtype once).", True),
+            ("Batched timing: a sample times a loop of steps with one synchronization at the end, "
+             "minus the same loop without the step ('restore (subtracted)'); a step with a host "
+             "sync inside (both scalers' step(), naive, apex) drains the device every step.",
+             batched(ctx.timing, device)),
         )
-    if METHODS["apex"].present(device) is False:
-        why = "GPU only" if run.hdr["apex"] == "available" else "not importable"
-        n.append(f"apex (amp_C.multi_tensor_scale): {why}, column skipped")
-    n.append(
-        "float16 and mixed workloads: both scalers unscale float16 grads in place (torch's "
-        "private allow_fp16 path, ampfused's GradScaler(allow_fp16=True)). mixed = each tensor "
-        "fp32, bf16 or fp16 at random (fixed seed)."
-    )
-    if run.gpu:
-        n.append(
-            "torch's CUDA unscale kernel has no bfloat16: torch, torch-ops n/a on bf16, mixed."
-        )
-    n.append(
-        "Gradients are restored from a pristine copy and every scale reset to 2^16 before each "
-        "timed step (untimed). torch-ops groups the lists by dtype once, outside the timing."
-    )
-    if batched(ctx.timing, device):
-        n.append(
-            "Batched timing: each sample times a loop of consecutive steps (restore, reset, "
-            "step) with one synchronization at the end, minus the same loop without the step; "
-            "the restores' cost per step is 'restore (subtracted)'. A step with a host sync "
-            "inside it (both scalers' step(), naive, apex) drains the device every step."
-        )
+        if shown
+    ]  # fmt: skip
     for q in run.questions:
         if q in QUESTIONS:
             run.plan[q] = QUESTIONS[q].plan(ctx, args)
-            n += QUESTIONS[q].notes(ctx, args)
+            run.notes += QUESTIONS[q].notes(ctx, args)
     return run
 
 
 def run_question(run: Run, q: str) -> None:
     if q in QUESTIONS:
         run.records += QUESTIONS[q].run(run.ctx, run.plan[q])
-    elif q == "distributed":  # its own timing: lock-step rounds in two processes
+    elif q == "distributed":
         run.records += distributed.run(run.ctx)
     elif q == "e2e":
-        run.e2e = dataclasses.asdict(e2e.run(run.ctx))
+        run.e2e = e2e.run(run.ctx)
     elif q == "instructions":  # a process of its own: it may re-run itself under callgrind
         cmd = [sys.executable, "-m", "benchmarks.instructions", "--out", str(run.out)]
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -249,8 +193,8 @@ def run_question(run: Run, q: str) -> None:
 
 
 def run_questions(run: Run) -> None:
-    """Each question in turn under one progress bar, timing it and the CPU share other
-    processes took meanwhile; a question that raises is reported and the next one runs."""
+    """Each question under one progress bar, timed with the CPU share others took meanwhile; a
+    question that raises is reported and the next one runs."""
     sizes = {"distributed": len(distributed.WORKLOADS), "instructions": 1}
     sizes["e2e"] = e2e.preset(run.device, run.args.quick).steps
     total = sum(len(run.plan[q]) if q in run.plan else sizes[q] for q in run.questions)
@@ -287,18 +231,11 @@ def collect_notes(run: Run) -> None:
             f"{share:.1%} of all CPU time during the run ({per_question})"
         )
         if share > 0.05 and not run.gpu:
-            run.notes.insert(
-                0,
-                f"Other processes (or hypervisor steal) used {share:.0%} of the CPU time during "
-                f"this run: CPU timings are disturbed (per question: {per_question}). Rerun on an "
-                "idle machine for clean numbers.",
-            )
+            busy = f"Other processes (or hypervisor steal) used {share:.0%} of the CPU time"
+            run.notes.insert(0, f"{busy} ({per_question}): rerun on an idle machine.")
     if any(r.realloc for r in run.records):
-        run.notes.append(
-            "realloc rows: every restore replaces each gradient by a new tensor (zero_grad"
-            "(set_to_none=True), then one allocation per parameter, last layer first, as "
-            "backward does); the note gives how often the pointer list changed."
-        )
+        realloc = "new gradient tensors every step, last layer first, as after zero_grad()"
+        run.notes.append(f"realloc rows: {realloc}; the note: how often the pointers changed.")
     run.notes += run.ctx.notes
     run.errors += [
         f"{r.question}:{r.workload} {r.dtype} {r.method}: {r.note}"
@@ -310,15 +247,13 @@ def collect_notes(run: Run) -> None:
 def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
     """What the console and results.md show, in order: how ampfused compares, a table per
     question, notes, errors, then ampfused's own targets."""
-    h = run.hdr
-    md = tablefmt == "github"
-    out = []
+    h, md, out = run.hdr, tablefmt == "github", []
     if md:
         out.append(("", f"# ampfused benchmarks: {h['device_name']}\n"))
         out.append(
             ("", f"`{run.command}`, {run.elapsed:.0f} s. {report.method_text(run.records)}\n")
         )
-    out.append(("Environment", report._grid([[k, v] for k, v in h.items()], ["", ""], tablefmt)))
+    out.append(("Environment", report.grid([[k, v] for k, v in h.items()], ["", ""], tablefmt)))
     lines = report.comparisons(run.records, run.e2e)
     if lines:
         out.append(("How ampfused compares", "\n".join(f"- {x}" for x in lines)))
@@ -345,9 +280,8 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
         link = os.path.relpath(RESULTS / "gpu-targets.md", run.out)
         out.append(("", f"GPU targets: see [{link}]({link}).\n"))
     if md:
-        out.append(
-            ("Methods", "\n".join(f"- **{m.name}**: {m.description}" for m in METHODS.values()))
-        )
+        methods = "\n".join(f"- **{m.name}**: {m.description}" for m in METHODS.values())
+        out.append(("Methods", methods))
         for q in ORDER:
             recs = [r for r in run.records if r.question == q]
             if recs:
@@ -355,31 +289,8 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
     return out
 
 
-def payload(run: Run) -> dict[str, Any]:
-    """Everything the run measured, as results.json holds it."""
-    return {
-        "header": run.hdr,
-        "command": run.command,
-        "quick": run.args.quick,
-        "elapsed_s": round(run.elapsed, 1),
-        "durations_s": run.durations,
-        "cpu_used_by_others": {"run": run.total_share, **run.others},
-        "notes": run.notes,
-        "errors": run.errors,
-        "methods": {
-            m.name: {"kind": m.kind, "description": m.description} for m in METHODS.values()
-        },
-        "targets": {
-            "cpu": [t.__dict__ for t in run.cpu_t] if run.cpu_t else None,
-            "gpu": [t.__dict__ for t in run.gpu_t] if run.gpu_t else None,
-        },
-        "records": [r.to_json() for r in run.records],
-        "e2e": run.e2e,
-    }
-
-
 def write_results(run: Run) -> None:
-    """Plots (unless --no-plots), results.json, results.jsonl, results.md and, inside
+    """Plots (unless --no-plots), results.jsonl, results.md and, for output folders inside
     benchmarks/results, gpu-targets.md."""
     if not run.args.no_plots:
         title = f"ampfused benchmarks, {run.hdr['device_name']}, torch {run.hdr['torch']}, "
@@ -387,25 +298,38 @@ def write_results(run: Run) -> None:
             run.plots = report.plots(run.records, run.out, title + run.hdr["git_commit"])
         except Exception as e:  # noqa: BLE001 - a plot that fails is an error, not the end
             run.errors.append(f"plots: {type(e).__name__}: {e}")
-    written = compare.write(run.out, payload(run))
+    targets = {
+        k: [t.__dict__ for t in v] if v else None
+        for k, v in (("cpu", run.cpu_t), ("gpu", run.gpu_t))
+    }
+    head = {
+        "header": run.hdr,
+        "command": run.command,
+        "quick": run.args.quick,
+        "elapsed_s": round(run.elapsed, 1),
+        "durations_s": run.durations,
+        "cpu_used_by_others": {"run": run.total_share, **run.others},
+        "errors": run.errors,
+        "targets": targets,
+    }
+    compare.write(run.out, head, run.records, run.e2e)
     md = "\n".join(f"## {t}\n\n{b}\n" if t else b for t, b in sections(run, "github"))
     (run.out / "results.md").write_text(md)
     write_gpu_targets(run)
-    names = ", ".join(p.name for p in written) + ", results.md"
-    print(f"wrote {run.out}/{names}, {len(run.plots)} plots in {run.elapsed:.0f} s")
+    print(
+        f"wrote {run.out}/results.jsonl, results.md, {len(run.plots)} plots in {run.elapsed:.0f} s"
+    )
 
 
 def write_gpu_targets(run: Run) -> None:
-    """benchmarks/results/gpu-targets.md: measured by a GPU run, else 'not yet measured'.  Only
-    for output folders inside benchmarks/results; a quick or CPU run never replaces a
-    measurement."""
+    """benchmarks/results/gpu-targets.md: a GPU run's targets, else 'not yet measured'; a quick
+    or CPU run never replaces a measurement."""
     try:
         run.out.resolve().relative_to(RESULTS.resolve())
     except ValueError:
         return
     path = RESULTS / "gpu-targets.md"
-    existing = path.read_text() if path.exists() else ""
-    measured = existing and "Not yet measured" not in existing
+    measured = path.exists() and "Not yet measured" not in path.read_text()
     if run.gpu and run.gpu_t is not None:
         if run.args.quick and measured:
             return

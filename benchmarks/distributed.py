@@ -1,20 +1,7 @@
-"""Question: what does a step cost when found_inf is agreed across ranks?  Data-parallel
-(DDP, FSDP) training needs every rank to make the same skip decision, so the scaler all-reduces
-its found_inf flag in each step.  torch's FSDP1 ``ShardedGradScaler`` does it (SUM over the
-world group); so do ``ampfused.ShardedGradScaler`` (the same, on the fused pass) and
-``ampfused.GradScaler(found_inf_group=WORLD)`` (MAX).
-
-Two processes (``torch.multiprocessing``, spawn), one thread each, gloo on 127.0.0.1, each with
-its own gradient set (the DDP layout without a model: parameters with ``.grad``, a no-op
-optimizer).  Both ranks run the same steps in lock-step: each timed step is
-``restore; reset`` (untimed), a barrier (untimed), then the step, timed with
-``time.perf_counter`` on each rank; the records are rank 0's times, rank 1's median is in the
-note.  Beside the three collective methods, in the same processes and rounds: both scalers
-without a collective, the collective alone (``floor-allreduce``: one all-reduce of one flag)
-and the memory floor (``floor-mul``).
-
-Every wait is bounded: the process group has a timeout, the parent waits for each workload's
-results with a deadline, and kills both processes when one passes.
+"""What does a step cost when found_inf is agreed across ranks, as data-parallel training
+needs?  Two processes (spawn, one thread each, gloo on 127.0.0.1) time every method in
+lock-step on gradient sets of their own (benchmarks/README.md, "Distributed"); every wait is
+bounded: the group's timeout, the parent's deadline per workload, then both processes killed.
 """
 
 from __future__ import annotations
@@ -42,9 +29,10 @@ from benchmarks.suite import (
     Record,
     _base,
     _fill_timing,
-    available_bytes,
     count_ops,
     derive,
+    make_runners,
+    too_big,
 )
 from benchmarks.timing import MethodTiming, Stats, TimingConfig, error_line
 from benchmarks.workloads import Workload, build, uniform
@@ -70,33 +58,24 @@ WORKLOADS = (
     Workload("1000 x 16", tuple(uniform(1000, 16)), family="count"),
 )
 
-# Lock-step rounds: rank 0 decides when to stop (the same rule as timing.TimingConfig) and
-# broadcasts the decision after each round, so both ranks run the same steps.
+# Rank 0 decides when to stop (TimingConfig.done) and broadcasts it after each round.
 TIMING = TimingConfig(warmup=2, min_rounds=10, enough_rounds=60, min_time_s=0.3, max_wall_s=10.0)
 QUICK_TIMING = TimingConfig(
     warmup=1, min_rounds=4, enough_rounds=12, min_time_s=0.03, max_wall_s=1.5
 )
-# Seconds the parent gives the processes to start and join the group, and each workload on top
-# of its timing budget (building gradients, warm-up, the profiler).
-START_TIMEOUT_S = 60.0
-WORKLOAD_SLACK_S = 30.0
-# The process group's own timeout: a collective one rank never joins raises after it.
-GROUP_TIMEOUT_S = 60.0
+# The parent's deadline: start-up, then each workload's max_wall_s plus slack (build, warm-up,
+# profiler); a collective one rank never joins raises after the group's timeout.
+START_TIMEOUT_S, WORKLOAD_SLACK_S, GROUP_TIMEOUT_S = 60.0, 30.0, 60.0
 
 
 @dataclass(frozen=True)
 class RankResult:
-    """One rank's results for one workload: per method its step times (seconds), or why it did
-    not run; its bytes moved per step; rank 0's op counts."""
+    """One rank's results for one workload."""
 
     times: dict[str, list[float]]
     status: dict[str, tuple[str, str]]  # method -> (status, note) for methods that did not run
     nbytes: dict[str, int]
     counts: dict[str, tuple[int, int]]  # method -> (ops, items)
-
-
-def workloads(ctx: Context) -> list[Workload]:
-    return list(WORKLOADS)
 
 
 def _free_port() -> int:
@@ -106,58 +85,30 @@ def _free_port() -> int:
 
 
 # --------------------------------------------------------------------------- in each rank
-def _agree(ok: list[bool]) -> list[bool]:
-    """Which entries are True on every rank (one all-reduce, MIN)."""
-    import torch.distributed as dist
-
-    flags = torch.tensor([int(x) for x in ok], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    return [bool(x) for x in flags.tolist()]
-
-
 def _agreed(
     names: Sequence[str], runners: dict[str, Any], status: dict[str, tuple[str, str]]
 ) -> list[str]:
-    """The methods that are ready on every rank; the others, ready here, get the status
-    "failed on another rank"."""
-    ready = [n in runners and n not in status for n in names]
-    agreed = _agree(ready)
-    for n, here, everywhere in zip(names, ready, agreed, strict=True):
-        if here and not everywhere:
-            status[n] = ("error", "failed on another rank")
-    return [n for n, ok in zip(names, agreed, strict=True) if ok]
-
-
-def _continue(go: bool) -> bool:
-    """Rank 0's decision, on every rank."""
+    """The methods ready on every rank (one MIN all-reduce); the others ready here get the
+    status "failed on another rank"."""
     import torch.distributed as dist
 
-    flag = torch.tensor([int(go)], dtype=torch.int32)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
+    ready = [n in runners and n not in status for n in names]
+    flags = torch.tensor(ready, dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    for n, here, everywhere in zip(names, ready, flags.tolist(), strict=True):
+        if here and not everywhere:
+            status[n] = ("error", "failed on another rank")
+    return [n for n, ok in zip(names, flags.tolist(), strict=True) if ok]
 
 
 def _measure_rank(
     rank: int, w: Workload, names: Sequence[str], cfg: TimingConfig, profile: bool
 ) -> RankResult:
-    """Builds ``w`` on this rank, makes the runners, and times them in lock-step with the other
-    ranks: every step after a barrier, rounds rotated, rank 0 deciding when to stop."""
+    """Builds ``w`` on this rank and times the methods in lock-step with the other ranks."""
     import torch.distributed as dist
 
-    device = torch.device("cpu")
-    gs = build(w, device, seed=rank)
-    status: dict[str, tuple[str, str]] = {}
-    runners = {}
-    for name in names:
-        m = METHODS[name]
-        reason = m.unavailable(w, device)
-        if reason:
-            status[name] = ("n/a", reason)
-            continue
-        try:
-            runners[name] = m.factory(gs)
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            status[name] = ("error", error_line(e))
+    gs = build(w, torch.device("cpu"), seed=rank)
+    runners, status = make_runners(gs, [METHODS[n] for n in names])
     # A method that failed on any rank is dropped on all (its collectives would wait for it),
     # after the factories and again after the warm-up.
     active = _agreed(names, runners, status)
@@ -188,12 +139,11 @@ def _measure_rank(
                 r.run()
                 times[name].append(time.perf_counter() - t0)
             rnd += 1
-            stop = rnd >= cfg.min_rounds and (
-                rnd >= cfg.enough_rounds
-                or all(sum(times[n]) >= cfg.min_time_s for n in active)
-                or time.perf_counter() - t_start >= cfg.max_wall_s
-            )
-            if not _continue(not stop):
+            timed = [sum(times[n]) for n in active]
+            done = cfg.done(rnd, timed, time.perf_counter() - t_start)
+            stop = torch.tensor([int(done)], dtype=torch.int32)
+            dist.broadcast(stop, src=0)  # rank 0's decision, on every rank
+            if stop.item():
                 break
     finally:
         gc.enable()
@@ -210,18 +160,10 @@ def _measure_rank(
 
 
 def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    sets: Sequence[Workload],
-    names: Sequence[str],
-    cfg: TimingConfig,
-    profile: bool,
-    out: Any,
+    rank: int, port: int, sets: list, names: tuple, cfg: TimingConfig, profile: bool, out: Any
 ) -> None:
-    """One process: joins the gloo group on 127.0.0.1, measures each workload, puts
-    ``("result", rank, index, RankResult)`` per workload, then ``("done", rank)``, or
-    ``("error", rank, traceback)`` and returns."""
+    """One process: puts ``("result", rank, index, RankResult)`` per workload, then ``("done",
+    rank)``, or ``("error", rank, traceback)``."""
     try:
         torch.set_num_threads(1)
         if sys.platform.startswith("linux"):
@@ -232,7 +174,7 @@ def _rank_main(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=world,
+            world_size=WORLD_SIZE,
             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
         )
         try:
@@ -248,8 +190,7 @@ def _rank_main(
 
 # --------------------------------------------------------------------------- in the parent
 def _stop(procs: list[Any], grace_s: float) -> None:
-    """Waits up to ``grace_s`` for the processes to exit, kills those still running and reaps
-    them (bounded)."""
+    """Waits up to ``grace_s`` for the processes, kills those still running, reaps them."""
     end = time.perf_counter() + grace_s
     for p in procs:
         p.join(timeout=max(end - time.perf_counter(), 0.0))
@@ -264,8 +205,7 @@ def _records(
     w: Workload, names: Sequence[str], by_rank: dict[int, RankResult], wall_s: float
 ) -> list[Record]:
     """Rank 0's times as records; in the note, the other ranks' medians and the median over
-    steps of the slowest rank's time (what a lock-step job waits for); ratios within the
-    workload."""
+    steps of the slowest rank's time (what a lock-step job waits for)."""
     recs = {n: _base(QUESTION, w, METHODS[n]) for n in names}
     r0 = by_rank[0]
     for n, rec in recs.items():
@@ -283,8 +223,6 @@ def _records(
             for k, res in sorted(by_rank.items())
             if k != 0 and res.times.get(n)
         ]
-        # The same steps on every rank, in the same order: step i is done when the slowest
-        # rank has finished it.
         per_rank = [res.times.get(n, []) for _, res in sorted(by_rank.items())]
         if len(per_rank) > 1 and all(len(t) == len(per_rank[0]) > 0 for t in per_rank):
             slowest = [max(step) for step in zip(*per_rank, strict=True)]
@@ -311,12 +249,11 @@ def run(
     timing: TimingConfig | None = None,
     names: Sequence[str] = METHOD_NAMES,
 ) -> list[Record]:
-    """Runs the question in ``WORLD_SIZE`` processes: records for each workload (``sets``,
-    default :func:`workloads`) and method; a workload the processes did not finish in time, or
-    that they failed on, gets records with status "error" and the reason."""
+    """Records for each workload (default ``WORKLOADS``) and method, timed in ``WORLD_SIZE``
+    processes; a workload they did not finish in time, or failed on, gets status "error"."""
     import torch.distributed as dist
 
-    sets = list(workloads(ctx) if sets is None else sets)
+    sets = list(WORKLOADS if sets is None else sets)
     cfg = timing or (QUICK_TIMING if ctx.quick else TIMING)
     if not (dist.is_available() and dist.is_gloo_available()):
         note = "torch.distributed with the gloo backend is not available in this torch"
@@ -324,10 +261,9 @@ def run(
     records: list[Record] = []
     todo: list[Workload] = []
     for w in sets:
-        need = WORLD_SIZE * (2 * w.grad_bytes + (64 << 20))
-        if need > 0.8 * available_bytes(torch.device("cpu")):
-            note = f"needs {need / 2**30:.1f} GiB of memory ({WORLD_SIZE} processes)"
-            records += _failed(w, names, "skipped", note)
+        big = too_big(w, torch.device("cpu"), WORLD_SIZE)
+        if big:
+            records += _failed(w, names, "skipped", f"{big} ({WORLD_SIZE} processes)")
             ctx.tick()
         else:
             todo.append(w)
@@ -339,7 +275,7 @@ def run(
     procs = [
         mp.Process(
             target=_rank_main,
-            args=(rank, WORLD_SIZE, port, todo, tuple(names), cfg, ctx.profile, out),
+            args=(rank, port, todo, tuple(names), cfg, ctx.profile, out),
             daemon=True,
         )
         for rank in range(WORLD_SIZE)
@@ -393,9 +329,7 @@ def run(
 
 # --------------------------------------------------------------------------- table
 def table(records: list[Record], tablefmt: str = "simple") -> str:
-    """One row per workload: each method's median step on rank 0, torch's way over ampfused's,
-    ampfused's sharded scaler over the memory floor, and what the collective adds to each
-    scaler's step (the median with it minus the median without)."""
+    """Rank 0's medians, the ratios, and what the collective adds to each scaler's step."""
 
     def added(ok: dict[str, Record]) -> str:
         cells = []
@@ -403,7 +337,7 @@ def table(records: list[Record], tablefmt: str = "simple") -> str:
             if with_it not in ok or without not in ok:
                 cells.append("-")
                 continue
-            d = ok[with_it].median_s - ok[without].median_s  # type: ignore[operator]
+            d = ok[with_it].median_s - ok[without].median_s
             cells.append(("-" if d < 0 else "") + fmt_time(abs(d)))
         return " / ".join(cells)
 

@@ -1,12 +1,6 @@
-"""Question: does swapping the scaler change an end-to-end float16 training step, in time or in
-results?  A small GPT trained nanoGPT-style (autocast float16, gradient accumulation,
-``unscale_`` then ``clip_grad_norm_``, AdamW plain and fused, decay/no-decay parameter groups)
-with each scaler from the same initial weights on the same batches.  Runs advance in lockstep
-in rotated order.  On CPU each step is one sample (timed like the other questions).  On a GPU a
-sample is a chunk of consecutive steps with one synchronization at the end, as training runs
-(``steps_per_sample``; losses and scales are read back after the chunk): a synchronization per
-step would add its own cost to every sample.  The loss curves of the two scalers must coincide
-exactly (max abs difference 0) and so must the final weights.
+"""Does swapping the scaler change an end-to-end float16 training step, in time or in
+results?  A small nanoGPT-style model trained under each scaler from the same weights on the
+same batches, in lockstep (benchmarks/README.md); losses and final weights must be identical.
 """
 
 from __future__ import annotations
@@ -14,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,7 +17,7 @@ from torch import nn
 
 import ampfused
 from benchmarks.suite import Context
-from benchmarks.timing import batched, synced_clock
+from benchmarks.timing import Stats, batched, device_clock
 
 QUESTION = "e2e"
 SCALERS = {"torch": torch.amp.GradScaler, "ampfused": ampfused.GradScaler}
@@ -144,8 +137,8 @@ def preset(device: torch.device, quick: bool) -> E2EConfig:
 
 
 def make_batches(cfg: E2EConfig, device: torch.device) -> torch.Tensor:
-    """Token sequences from a fixed random Markov chain (each token has four likely successors),
-    so there is something to learn: shape (steps, grad_accum, batch, block_size + 1)."""
+    """(steps, grad_accum, batch, block_size + 1) tokens of a fixed random Markov chain (four
+    likely successors a token): something to learn."""
     g = torch.Generator().manual_seed(cfg.seed)
     v, t = cfg.gpt.vocab_size, cfg.gpt.block_size
     n = cfg.steps * cfg.grad_accum * cfg.batch_size
@@ -203,18 +196,8 @@ def train_step(run: Run, batch: torch.Tensor, cfg: E2EConfig, device_type: str) 
     return total
 
 
-@dataclass
-class E2EResult:
-    config: dict[str, Any]
-    n_params: int
-    n_param_tensors: int
-    runs: dict[str, dict[str, Any]]
-    comparisons: dict[str, dict[str, Any]]
-
-
 def chunks(cfg: E2EConfig) -> list[list[int]]:
-    """Steps grouped into timing samples: the untimed first ``timed_from`` steps in chunks of
-    their own, then ``steps_per_sample`` consecutive steps per chunk (the last may be shorter)."""
+    """Steps grouped into samples of ``steps_per_sample``, the untimed ``timed_from`` apart."""
     n = max(1, cfg.steps_per_sample)
     out: list[list[int]] = []
     for lo, hi in (
@@ -225,7 +208,9 @@ def chunks(cfg: E2EConfig) -> list[list[int]]:
     return out
 
 
-def run(ctx: Context, cfg: E2EConfig | None = None) -> E2EResult:
+def run(ctx: Context, cfg: E2EConfig | None = None) -> dict[str, Any]:
+    """The config, the model's size, per run its step times, losses and scales, and per
+    optimizer how ampfused's run compares with torch's."""
     device = ctx.device
     cfg = cfg or preset(device, ctx.quick)
     if ctx.timing is not None and not batched(ctx.timing, device):
@@ -237,31 +222,24 @@ def run(ctx: Context, cfg: E2EConfig | None = None) -> E2EResult:
     for opt_name in OPTIMIZERS:
         for scaler_name, cls in SCALERS.items():
             model = copy.deepcopy(base)
-            runs.append(
-                Run(
-                    scaler_name,
-                    opt_name,
-                    model,
-                    make_optimizer(model, cfg, fused=opt_name == "adamw-fused"),
-                    cls(device.type),
-                )
-            )
-    clock = synced_clock(device)
+            opt = make_optimizer(model, cfg, fused=opt_name == "adamw-fused")
+            runs.append(Run(scaler_name, opt_name, model, opt, cls(device.type)))
+    clock = device_clock(device)
+
+    def now() -> float:
+        clock.synchronize()
+        return clock.now()
+
     for i, chunk in enumerate(chunks(cfg)):
         k = i % len(runs)
         for r in runs[k:] + runs[:k]:
-            if len(chunk) == 1:  # CPU: as before, nothing is read back inside the timing
-                t0 = clock()
-                loss = train_step(r, batches[chunk[0]], cfg, device.type)
-                t1 = clock()
-                pending = [(loss, None)]
-            else:  # GPU: no sync between the steps; the scale is read back after the chunk
-                t0 = clock()
-                pending = []
-                for step in chunk:
-                    loss = train_step(r, batches[step], cfg, device.type)
-                    pending.append((loss, r.scaler._scale.detach().clone()))
-                t1 = clock()
+            # In a chunk of several steps (GPU) the scales are read back after the chunk.
+            pending = []
+            t0 = now()
+            for step in chunk:
+                loss = train_step(r, batches[step], cfg, device.type)
+                pending.append((loss, r.scaler._scale.detach().clone() if len(chunk) > 1 else None))
+            t1 = now()
             if chunk[0] >= cfg.timed_from:
                 r.step_s.append((t1 - t0) / len(chunk))
                 r.timed_steps += len(chunk)
@@ -272,48 +250,42 @@ def run(ctx: Context, cfg: E2EConfig | None = None) -> E2EResult:
         ctx.tick(len(chunk))
     result_runs: dict[str, dict[str, Any]] = {}
     for r in runs:
-        q = statistics.quantiles(r.step_s, n=4, method="inclusive") if len(r.step_s) > 1 else None
-        med = statistics.median(r.step_s) if r.step_s else None
+        st = Stats(r.step_s)
         result_runs[r.key] = {
             "scaler": r.scaler_name,
             "optimizer": r.optimizer_name,
-            "median_step_s": med,
-            "q1_s": q[0] if q else med,
-            "q3_s": q[2] if q else med,
+            "median_step_s": st.median if st.n else None,
+            "q1_s": st.q1 if st.n else None,
+            "q3_s": st.q3 if st.n else None,
             "timed_steps": r.timed_steps,
             "steps_per_sample": cfg.steps_per_sample,
-            "samples": len(r.step_s),
+            "samples": st.n,
             "losses": r.losses,
             "scales": r.scales,
             "skipped_steps": sum(
-                1 for a, b in zip([65536.0, *r.scales], r.scales, strict=False) if b < a
+                b < a for a, b in zip([65536.0, *r.scales], r.scales, strict=False)
             ),
         }
     comparisons: dict[str, dict[str, Any]] = {}
     for opt_name in OPTIMIZERS:
-        rt = next(r for r in runs if r.optimizer_name == opt_name and r.scaler_name == "torch")
-        ra = next(r for r in runs if r.optimizer_name == opt_name and r.scaler_name == "ampfused")
+        rt, ra = (
+            r for s in SCALERS for r in runs if (r.optimizer_name, r.scaler_name) == (opt_name, s)
+        )
+        t, a = result_runs[rt.key], result_runs[ra.key]
         pt, pa = dict(rt.model.named_parameters()), dict(ra.model.named_parameters())
-        t_med = result_runs[rt.key]["median_step_s"]
-        a_med = result_runs[ra.key]["median_step_s"]
         comparisons[opt_name] = {
-            "max_abs_loss_diff": max(abs(a - b) for a, b in zip(rt.losses, ra.losses, strict=True)),
+            "max_abs_loss_diff": max(abs(x - y) for x, y in zip(rt.losses, ra.losses, strict=True)),
             "scales_equal": rt.scales == ra.scales,
             "weights_bitwise_equal": all(torch.equal(pt[n], pa[n]) for n in pt),
-            "torch_over_ampfused": (t_med / a_med) if t_med and a_med else None,
-            "ampfused_slower_beyond_iqr": bool(
-                result_runs[ra.key]["q1_s"] > result_runs[rt.key]["q3_s"]
-            ),
+            "torch_over_ampfused": t["median_step_s"] / a["median_step_s"]
+            if t["median_step_s"] and a["median_step_s"]
+            else None,
+            "ampfused_slower_beyond_iqr": bool(a["q1_s"] > t["q3_s"]),
         }
-    n_params = sum(p.numel() for p in base.parameters())
-    return E2EResult(
-        config=asdict(cfg),
-        n_params=n_params,
-        n_param_tensors=len(list(base.parameters())),
-        runs=result_runs,
-        comparisons=comparisons,
-    )
-
-
-def steps_total(ctx: Context) -> int:
-    return preset(ctx.device, ctx.quick).steps
+    return {
+        "config": asdict(cfg),
+        "n_params": sum(p.numel() for p in base.parameters()),
+        "n_param_tensors": len(list(base.parameters())),
+        "runs": result_runs,
+        "comparisons": comparisons,
+    }

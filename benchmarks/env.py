@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -14,8 +15,8 @@ import torch
 import ampfused
 
 try:  # NVIDIA apex, when installed with its CUDA extensions.
-    import amp_C  # type: ignore[import-not-found]
-    from apex.multi_tensor_apply import multi_tensor_applier  # type: ignore[import-not-found]
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
 except Exception:  # noqa: BLE001 - any failure means "not available"
     amp_C = None
     multi_tensor_applier = None
@@ -32,22 +33,13 @@ def is_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def synchronize(device: torch.device) -> None:
-    if is_gpu(device):
-        torch.cuda.synchronize(device)
-
-
 def device_name(device: torch.device) -> str:
     if is_gpu(device):
         return torch.cuda.get_device_name(device)
     name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), name)
     return name
 
 
@@ -79,7 +71,7 @@ def git_commit() -> str:
 
 
 def _built() -> str:
-    """When the loaded compiled extension was built (it may predate the checked-out sources)."""
+    """When the loaded extension was built (it may predate the checked-out sources)."""
     try:
         path = Path(ampfused._C.__file__)
         t = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
@@ -112,18 +104,14 @@ def header(device: torch.device) -> dict[str, object]:
         h["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         h["gpu_sm_count"] = props.multi_processor_count
         h["driver_capability"] = f"sm_{props.major}{props.minor}"
-    try:
+    with contextlib.suppress(OSError):
         h["load_average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        pass
     return h
 
 
 class CpuShare:
-    """Share of the machine's CPU time used by *other* processes (and the hypervisor, as steal)
-    between ``start()`` and ``stop()``, from /proc/stat and this process's own CPU time (with
-    that of its children that have ended, such as the distributed question's ranks): the
-    measure of how far a CPU run was disturbed.  None where /proc/stat is missing."""
+    """Share of the machine's CPU time used by *other* processes (and hypervisor steal) between
+    ``start()`` and ``stop()``: /proc/stat less this process's and its ended children's time."""
 
     def __init__(self) -> None:
         self._t0: tuple[float, float, float] | None = None

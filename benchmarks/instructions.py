@@ -1,26 +1,14 @@
 """A step's host cost in instructions: a number that does not move with the machine's load.
 
-Wall times on a shared machine swing by 2x between runs minutes apart; the instructions a step
-executes in user space on its own thread are the same run after run.  This mode counts them for
-``unscale_``, ``step`` and ``update`` apart (no-op optimizer, scale 2^16, as the ``step_cost``
-question times them), for ampfused.GradScaler and torch.amp.GradScaler, on the host-bound
-gradient sets, with torch on one thread (no work goes to an OpenMP worker the count would miss)
-and the garbage collector paused.  Two counters, the first available:
+Counts the user-space instructions of ``unscale_``, ``step`` and ``update`` apart (no-op
+optimizer, torch on one thread, gc paused, after 20 warm-up steps) for both scalers on the
+host-bound gradient sets, with the CPU's hardware counter (``perf_event_open``; a figure is the
+smallest mean over three windows) or else under callgrind, re-running itself with
+instrumentation off until the workloads are built, one dump per call, which also splits each
+count by layer (Python, torch, ampfused's extension, the C library).  An empty window's count
+(the floor, printed beside) is in every figure.
 
-- the CPU's hardware counter (Linux ``perf_event_open``: ``instructions``, user space, this
-  thread), in this process; a figure is the smallest mean over three windows of steps;
-- callgrind (valgrind): the measurement re-runs itself under ``valgrind --tool=callgrind`` with
-  instrumentation off until the workloads are built, and counts each call exactly (one dump per
-  call, read back).  Slower (about 3 minutes), and it also splits each count by layer: the
-  Python interpreter, torch (ATen, the dispatcher, c10), ampfused's extension, the C library.
-
-Both count what runs between two calls into the counter, so an empty window's count (the floor,
-printed beside) is in every figure.  Each scaler first takes 20 uncounted steps: Python 3.11
-specializes a function's code only after several calls, and the first workload would otherwise
-pay for that.
-
-    python -m benchmarks.instructions            # table, and results/<device>/instructions.json
-    python -m benchmarks.instructions --counter callgrind
+    python -m benchmarks.instructions [--counter callgrind]  # + results/cpu/instructions.json
 """
 
 from __future__ import annotations
@@ -43,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.env import REPO, RESULTS
+
 PHASES = ("unscale_", "step", "update")
 # (name, tensors, elements each): the fixed cost of a step, and two host-bound sets.
 WORKLOADS = (("1 x 16", 1, 16), ("3000 x 16", 3000, 16), ("1000 x 1K", 1000, 1024))
@@ -53,10 +42,8 @@ METHOD_NAMES = ("ampfused", "torch", "optimizer")
 _UNDER_CALLGRIND = "AMPFUSED_BENCH_CALLGRIND_OUT"
 
 
-# --------------------------------------------------------------------------------------------
-# Counters: begin() ... end() -> instructions (and, for callgrind, the split by object file)
-
-
+# --------------------------------------------------------------------------- counters
+# begin() ... end(label) -> (instructions, {object file: instructions} under callgrind)
 class HardwareCounter:
     name = "hardware counter (perf_event_open: instructions, user space, one thread)"
     _SYSCALL = {"x86_64": 298, "aarch64": 241}
@@ -172,10 +159,7 @@ def _layer(obj: str) -> str:
     return "other"
 
 
-# --------------------------------------------------------------------------------------------
-# The measurement
-
-
+# --------------------------------------------------------------------------- measurement
 @dataclass
 class Row:
     workload: str
@@ -205,7 +189,7 @@ def measure(counter, steps: int, windows: int, warmup: int = 20) -> tuple[list[R
     gc.collect()
     gc.disable()
     try:
-        empty = min(_window(counter, "empty", lambda: None) for _ in range(steps * windows))
+        empty = min(_window(counter, "empty", lambda: None)[0] for _ in range(steps * windows))
         rows = []
         for name, tensors, numel in WORKLOADS:
             for method in METHOD_NAMES:
@@ -231,7 +215,7 @@ def measure(counter, steps: int, windows: int, warmup: int = 20) -> tuple[list[R
                         gs.restore()
                         runner.reset()
                         for phase, call in calls.items():
-                            n, by_object = _window_split(counter, f"{name}/{method}/{phase}", call)
+                            n, by_object = _window(counter, f"{name}/{method}/{phase}", call)
                             sums[phase] += n
                             for obj, c in by_object.items():
                                 layers[_layer(obj)] += c / (steps * windows)
@@ -247,56 +231,44 @@ def measure(counter, steps: int, windows: int, warmup: int = 20) -> tuple[list[R
         torch.set_num_threads(threads)
 
 
-def _window(counter, label: str, call: Callable[[], None]) -> int:  # noqa: ANN001
-    return _window_split(counter, label, call)[0]
-
-
-def _window_split(counter, label: str, call: Callable[[], None]) -> tuple[int, dict[str, int]]:  # noqa: ANN001
+def _window(counter, label: str, call: Callable[[], None]) -> tuple[int, dict[str, int]]:  # noqa: ANN001
     counter.begin()
     call()
     return counter.end(label)
 
 
-# --------------------------------------------------------------------------------------------
-# Report
+# --------------------------------------------------------------------------- report
+def _grid(rows: list[list[str]], headers: list[str]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
 def table(rows: list[Row], empty: float) -> str:
-    from tabulate import tabulate
-
-    torch_rows = {(r.workload, r.method): r for r in rows}
-    out = []
-    for r in rows:
-        ref = torch_rows.get((r.workload, "torch"))
-        out.append(
-            [
-                r.workload,
-                r.method,
-                *(f"{r.phases[p]:,.0f}" for p in PHASES),
-                f"{r.total:,.0f}",
-                f"{r.total / r.tensors:,.0f}",
-                f"{r.total / ref.total:.3f}" if ref and r.method == "ampfused" else "",
-            ]
-        )
-    text = tabulate(
-        out,
-        headers=["gradients (fp32)", "scaler", *PHASES, "per step", "per tensor", "/ torch"],
-        tablefmt="github",
-        disable_numparse=True,
+    ref = {r.workload: r for r in rows if r.method == "torch"}
+    out = [
+        [r.workload, r.method, *(f"{r.phases[p]:,.0f}" for p in PHASES), f"{r.total:,.0f}"]
+        + [f"{r.total / r.tensors:,.0f}"]
+        + [
+            f"{r.total / ref[r.workload].total:.3f}"
+            if r.method == "ampfused" and r.workload in ref
+            else ""
+        ]
+        for r in rows
+    ]
+    headers = ["gradients (fp32)", "scaler", *PHASES, "per step", "per tensor", "/ torch"]
+    return (
+        _grid(out, headers)
+        + f"\n\nfloor (an empty window, in every figure above): {empty:,.0f} instructions"
     )
-    return text + f"\n\nfloor (an empty window, in every figure above): {empty:,.0f} instructions"
 
 
 def layer_table(rows: list[Row]) -> str:
-    from tabulate import tabulate
-
     names = sorted(
         {k for r in rows for k in r.layers}, key=lambda k: -max(r.layers.get(k, 0) for r in rows)
     )
     out = [[r.workload, r.method, *(f"{r.layers.get(k, 0):,.0f}" for k in names)] for r in rows]
-    return tabulate(
-        out, headers=["gradients", "scaler", *names], tablefmt="github", disable_numparse=True
-    )
+    return _grid(out, ["gradients", "scaler", *names])
 
 
 def targets(rows: list[Row]) -> list[tuple[str, str, bool]]:
@@ -304,20 +276,14 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool]]:
     most a twentieth of torch's."""
     by = {(r.workload, r.method): r for r in rows}
     out = []
-    for workload, limit, what in (
-        ("1 x 16", 1 / 3, "fixed cost of a step"),
-        ("3000 x 16", 1 / 20, "per tensor"),
+    for workload, n, what in (
+        ("1 x 16", 3, "fixed cost of a step"),
+        ("3000 x 16", 20, "per tensor"),
     ):
         a, t = by.get((workload, "ampfused")), by.get((workload, "torch"))
         if a and t:
-            ratio = a.total / t.total
-            out.append(
-                (
-                    f"{workload}: {what} <= 1/{round(1 / limit)} of torch's",
-                    f"{ratio:.3f}",
-                    ratio <= limit,
-                )
-            )
+            x = a.total / t.total
+            out.append((f"{workload}: {what} <= 1/{n} of torch's", f"{x:.3f}", x <= 1 / n))
     return out
 
 
@@ -328,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--counter", choices=("auto", "hardware", "callgrind"), default="auto")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/cpu)")
     args = p.parse_args(argv)
-    out_dir = args.out or os.path.join(ROOT, "benchmarks", "results", "cpu")
+    out_dir = args.out or str(RESULTS / "cpu")
     inside = os.environ.get(_UNDER_CALLGRIND)
     if inside:
         counter, steps, windows = CallgrindCounter(inside), 2, 1
@@ -375,19 +341,9 @@ def _run_under_callgrind(argv: list[str], why: str | None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         env = dict(os.environ, **{_UNDER_CALLGRIND: out})
-        cmd = [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            "--collect-atstart=no",
-            f"--callgrind-out-file={out}",
-            "--quiet",
-            sys.executable,
-            "-m",
-            "benchmarks.instructions",
-            *argv,
-        ]
-        return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+        cmd = "valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no --quiet".split()
+        cmd += [f"--callgrind-out-file={out}", sys.executable, "-m", "benchmarks.instructions"]
+        return subprocess.run([*cmd, *argv], env=env, cwd=REPO).returncode
 
 
 if __name__ == "__main__":

@@ -1,19 +1,5 @@
-"""The suite's questions: for each, its gradient sets, the methods it compares, its timing and
-the table it prints.  ``distributed`` (two processes) and ``e2e`` (a small GPT trained) have
-modules of their own; ``instructions`` runs :mod:`benchmarks.instructions`.
-
-- step_cost    per-step cost on the four gradient sets the CPU targets are stated on, each also
-               with new gradient tensors every step (realloc, as ``zero_grad(set_to_none=True)``)
-- diagnostics  the pass with per-gradient statistics (``watch()``, ``grad_norms()``) against the
-               plain pass and torch's scaler + per-layer norms by hand; tiny tensors at growing
-               counts for the host cost (Python bytecodes of one step)
-- clip         ``clip_grad_norm_`` through the scaler (two passes, 12 B per fp32 element)
-               against torch's ``unscale_`` + ``clip_grad_norm_`` (20 B)
-- masters      a float16 model with float32 masters: ``MasterWeights`` against the recipe by hand
-- models       real models' gradient sets x dtypes x with/without an injected inf
-- counts       1 to 10,000 tensors of 16 and 1024 elements (per-tensor overhead)
-- sizes        8 tensors of 16 to 2^28 elements (bandwidth; capped on CPU)
-"""
+"""The single-process questions: their gradient sets, methods, timing and tables
+(benchmarks/README.md); ``distributed``, ``e2e`` and ``instructions`` have modules of their own."""
 
 from __future__ import annotations
 
@@ -24,19 +10,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from benchmarks.methods import METHODS
-from benchmarks.report import fmt_time, pivot, table
+from benchmarks.report import host_device, joined, pivot, table
 from benchmarks.suite import Context, Record, run_workload
 from benchmarks.timing import TimingConfig
 from benchmarks.workloads import DTYPE_NAMES, MODELS, Workload, gpt2_124m, uniform
 
-# The questions whose rows the targets are stated on take more samples than the sweeps: their
-# figures are ratios of medians a few percent apart.
-TARGET_TIMING = TimingConfig(
-    warmup=3, min_rounds=15, enough_rounds=61, min_time_s=0.5, max_wall_s=20.0
-)
-QUICK_TARGET_TIMING = TimingConfig(
-    warmup=2, min_rounds=5, enough_rounds=11, min_time_s=0.1, max_wall_s=2.5, batch_s=0.02
-)
+# The targets' questions take more samples: their figures are ratios a few percent apart.
+TARGET_TIMING = TimingConfig(3, 15, 61, min_time_s=0.5, max_wall_s=20.0)
+QUICK_TARGET_TIMING = TimingConfig(2, 5, 11, min_time_s=0.1, max_wall_s=2.5, batch_s=0.02)
 
 
 def _w(name: str, shapes: Sequence, dtype: str = "fp32", family: str = "target") -> Workload:
@@ -51,8 +32,8 @@ GPT2_MIXED = _w("gpt2-124m", gpt2_124m(), "mixed", "model")
 
 @dataclass(frozen=True)
 class Question:
-    """``plan(ctx, args)`` lists what runs, in order: (workload, method names or None for the
-    context's methods); ``table(records)`` renders its records (None: the generic pivot)."""
+    """``plan``: (workload, method names or None for the context's) in run order; ``table``
+    renders its records (None: the generic pivot)."""
 
     name: str
     title: str
@@ -88,23 +69,12 @@ def _step_cost_plan(ctx: Context, args: argparse.Namespace) -> list:
 
 
 def _step_cost_table(records: list[Record], tablefmt: str = "simple") -> str:
-    extra = []
-    if any(r.host_median_s is not None for r in records):
-        extra += [
-            (f"host: {m}", lambda by, m=m: fmt_time(by[m].host_median_s) if m in by else "-")
-            for m in ("ampfused", "torch")
-        ]
-    if any(r.device_median_s is not None for r in records):
-        extra += [
-            (f"device: {m}", lambda by, m=m: fmt_time(by[m].device_median_s) if m in by else "-")
-            for m in ("ampfused", "torch")
-        ]
     ratios = [
         ("torch / ampfused", "torch", "ampfused"),
         ("ampfused / floor", "ampfused", "floor-mul"),
         ("torch / floor", "torch", "floor-mul"),
     ]
-    return table(records, STEP_COST_METHODS, ratios, extra, tablefmt, iqr=True)
+    return table(records, STEP_COST_METHODS, ratios, host_device(records), tablefmt, iqr=True)
 
 
 # --------------------------------------------------------------------------- diagnostics
@@ -129,19 +99,14 @@ def _diagnostics_plan(ctx: Context, args: argparse.Namespace) -> list:
 
 
 def _diagnostics_table(records: list[Record], tablefmt: str = "simple") -> str:
-    def code(by: dict[str, Record]) -> str:
-        return " / ".join(
-            str(by[m].py_bytecodes) if m in by and by[m].py_bytecodes is not None else "-"
-            for m in DIAG_COUNT_METHODS
-        )
-
     ratios = [
         ("watch / ampfused", "ampfused-watch", "ampfused"),
         ("norms / ampfused", "ampfused-norms", "ampfused"),
         ("torch-norms / watch", "torch-norms", "ampfused-watch"),
         ("torch-norms / norms", "torch-norms", "ampfused-norms"),
     ]
-    extra = [("Python bytecodes a / watch / norms / torch-norms", code)]
+    head = "Python bytecodes a / watch / norms / torch-norms"
+    extra = [joined(head, "py_bytecodes", DIAG_COUNT_METHODS)]
     return table(records, DIAG_METHODS, ratios, extra, tablefmt)
 
 
@@ -154,15 +119,6 @@ MASTERS_SETS = tuple(
 )  # float16 models
 
 
-def _gbps(a: str, b: str) -> tuple[str, Callable[[dict[str, Record]], str]]:
-    def cell(by: dict[str, Record]) -> str:
-        return " / ".join(
-            f"{by[m].gbps:.1f}" if m in by and by[m].gbps is not None else "-" for m in (a, b)
-        )
-
-    return (f"GB/s {a} / {b}", cell)
-
-
 def _fused_table(names: tuple[str, ...]) -> Callable[[list[Record], str], str]:
     """A fused method against torch's way, the plain step and the floor (names in that order)."""
     fused, theirs, plain, floor = names
@@ -173,7 +129,8 @@ def _fused_table(names: tuple[str, ...]) -> Callable[[list[Record], str], str]:
             (f"{fused} / floor", fused, floor),
             (f"{fused} / {plain}", fused, plain),
         ]
-        return table(records, names, ratios, [_gbps(fused, theirs)], tablefmt)
+        gbps = joined(f"GB/s {fused} / {theirs}", "gbps", (fused, theirs), lambda x: f"{x:.1f}")
+        return table(records, names, ratios, [gbps], tablefmt)
 
     return render
 
@@ -182,11 +139,11 @@ def _fused_table(names: tuple[str, ...]) -> Callable[[list[Record], str], str]:
 # vit-b16 is left to --workloads: BERT-base stands for the 100M-parameter encoders (time budget).
 DEFAULT_MODELS = ("gpt2-124m", "llama-1b", "llama-7b", "resnet50", "bert-base")
 QUICK_MODELS = ("gpt2-124m", "resnet50")
-# --quick, unless models/dtypes/inf are chosen: fp32 of both, and mixed with an inf of ResNet-50.
+# --quick, unless models or dtypes are chosen: fp32 of both, and mixed with an inf of ResNet-50.
 QUICK_MODEL_CONFIGS = (("gpt2-124m", "fp32", False), ("resnet50", "fp32", False))
 QUICK_MODEL_CONFIGS += (("resnet50", "mixed", True),)
-# An injected inf only changes the flag and the scale update: by default fp32 and mixed only.
-DEFAULT_INF_DTYPES = ("fp32", "mixed")
+# An injected inf only changes the flag and the scale update: fp32 and mixed only.
+INF_DTYPES = ("fp32", "mixed")
 # On CPU, sets above this run fp32 without inf only (Llama-1B fp32: a second a step).
 CPU_HEAVY_BYTES = 1 << 30
 COUNTS = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000)
@@ -204,19 +161,17 @@ def _models(ctx: Context, args: argparse.Namespace) -> tuple[list[Workload], lis
     """The model configs to run and notes on those left out.  On a GPU each fp32 set without
     inf also runs realloc; on CPU that case is in step_cost."""
     gpu = ctx.device.type == "cuda"
-    infs = {None: None, "both": [False, True], "no": [False], "yes": [True]}[args.inf]
-    if ctx.quick and args.workloads is None and args.dtypes is None and infs is None:
+    if ctx.quick and args.workloads is None and args.dtypes is None:
         out = [_model(*c) for c in QUICK_MODEL_CONFIGS]
         return out + ([_model(*QUICK_MODEL_CONFIGS[0], realloc=True)] if gpu else []), []
     models = args.workloads or list(QUICK_MODELS if ctx.quick else DEFAULT_MODELS)
     dtypes = args.dtypes or (["fp32", "mixed"] if ctx.quick else list(DTYPE_NAMES))
-    notes = [] if infs else ["models: an injected inf runs on fp32 and mixed (--inf yes for all)"]
-    out = []
-    for name, dtype, inf in itertools.product(models, dtypes, infs or [False, True]):
+    notes, out = ["models: an injected inf runs on fp32 and mixed"], []
+    for name, dtype, inf in itertools.product(models, dtypes, [False, True]):
         spec, w = MODELS[name], _model(name, dtype, inf)
         if spec.gpu_only and not gpu:
             notes.append(f"{spec.title}: GPU only (skipped on CPU)")
-        elif inf and not infs and dtype not in DEFAULT_INF_DTYPES:
+        elif inf and dtype not in INF_DTYPES:
             continue
         elif not gpu and w.grad_bytes > CPU_HEAVY_BYTES and (dtype != "fp32" or inf):
             notes.append(f"{spec.title}: on CPU only fp32 without inf (time budget)")
@@ -255,57 +210,33 @@ def _sizes_notes(ctx: Context, args: argparse.Namespace) -> list[str]:
     return [] if cap == LOG2_SIZES[-1] else [f"sizes capped at 2^{cap} elements (time budget)"]
 
 
-QUESTIONS: dict[str, Question] = {
-    q.name: q
-    for q in (
-        Question(
-            "step_cost",
-            "Per-step scaler cost on the target gradient sets",
-            _step_cost_plan,
-            _step_cost_table,
-            target_timing=True,
-        ),
-        Question(
-            "diagnostics",
-            "Diagnostics: the pass with per-gradient statistics vs per-layer norms by hand",
-            _diagnostics_plan,
-            _diagnostics_table,
-            target_timing=True,
-            python_cost=True,
-        ),
-        Question(
-            "clip",
-            "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + clip_grad_norm_",
-            lambda ctx, args: (
-                [(w, CLIP_METHODS) for w in (GPT2, X4_16M, X1000_1K)]
-                + ([] if ctx.quick else [(GPT2_MIXED, CLIP_METHODS)])
-            ),
-            _fused_table(CLIP_METHODS),
-            target_timing=True,
-        ),
-        Question(
-            "masters",
-            "float16 model, float32 masters: MasterWeights vs the recipe by hand",
-            lambda ctx, args: [(w, MASTERS_METHODS) for w in MASTERS_SETS],
-            _fused_table(MASTERS_METHODS),
-            target_timing=True,
-        ),
-        Question(
-            "models",
-            "Model gradient sets",
-            lambda ctx, args: [(w, None) for w in _models(ctx, args)[0]],
-            notes=lambda ctx, args: _models(ctx, args)[1],
-        ),
-        Question("counts", "Tensor-count sweep", _counts_plan),
-        Question(
-            "sizes", "Tensor-size sweep (8 tensors per size)", _sizes_plan, notes=_sizes_notes
-        ),
-    )
-}
+def _clip_plan(ctx: Context, args: argparse.Namespace) -> list:
+    sets = (GPT2, X4_16M, X1000_1K) + (() if ctx.quick else (GPT2_MIXED,))
+    return [(w, CLIP_METHODS) for w in sets]
+
+
+def _models_plan(ctx: Context, args: argparse.Namespace) -> list:
+    return [(w, None) for w in _models(ctx, args)[0]]
+
+
+QUESTIONS: dict[str, Question] = {q.name: q for q in (
+    Question("step_cost", "Per-step scaler cost on the target gradient sets", _step_cost_plan,
+             _step_cost_table, target_timing=True),
+    Question("diagnostics", "Diagnostics: the pass with per-gradient statistics vs per-layer "
+             "norms by hand", _diagnostics_plan, _diagnostics_table, True, python_cost=True),
+    Question("clip", "Unscale + clip: scaler.clip_grad_norm_ vs torch's unscale_ + "
+             "clip_grad_norm_", _clip_plan, _fused_table(CLIP_METHODS), target_timing=True),
+    Question("masters", "float16 model, float32 masters: MasterWeights vs the recipe by hand",
+             lambda ctx, args: [(w, MASTERS_METHODS) for w in MASTERS_SETS],
+             _fused_table(MASTERS_METHODS), target_timing=True),
+    Question("models", "Model gradient sets", _models_plan,
+             notes=lambda ctx, args: _models(ctx, args)[1]),
+    Question("counts", "Tensor-count sweep", _counts_plan),
+    Question("sizes", "Tensor-size sweep (8 tensors per size)", _sizes_plan, notes=_sizes_notes),
+)}  # fmt: skip
 
 
 def render(q: str, records: list[Record], gpu: bool, tablefmt: str = "simple") -> str:
-    """A question's table of its records."""
     question = QUESTIONS.get(q)
     if question is not None and question.table is not None:
         return question.table(records, tablefmt)

@@ -32,7 +32,6 @@ def fmt_gbps(x: float | None) -> str:
 
 
 def _cell(r: Record | None, iqr: bool = False) -> str:
-    """A record's median step (with its IQR), or its status when it did not run."""
     if r is None:
         return "-"
     if not r.ok:
@@ -41,15 +40,14 @@ def _cell(r: Record | None, iqr: bool = False) -> str:
 
 
 def _ratio(x: Record | None, y: Record | None) -> str:
-    return "-" if x is None or y is None else f"{x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
+    return "-" if x is None or y is None else f"{x.median_s / y.median_s:.2f}x"
 
 
-def _grid(rows: list[list[Any]], headers: list[str], tablefmt: str) -> str:
+def grid(rows: list[list[Any]], headers: list[str], tablefmt: str) -> str:
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
 
 
 def by_workload(records: Sequence[Record]) -> list[dict[str, Record]]:
-    """Each workload's records by method, in run order."""
     groups: dict[tuple, dict[str, Record]] = {}
     for r in records:
         groups.setdefault((r.workload, r.dtype, r.inject_inf, r.realloc), {})[r.method] = r
@@ -58,6 +56,28 @@ def by_workload(records: Sequence[Record]) -> list[dict[str, Record]]:
 
 # --------------------------------------------------------------------------- tables
 Extra = tuple[str, Callable[[dict[str, "Record"]], str]]
+
+
+def joined(
+    head: str, attr: str, methods: Sequence[str], fmt: Callable[[Any], str] = str, sep: str = " / "
+) -> Extra:
+    """A column of ``attr`` of each of ``methods`` that ran, joined by ``sep``."""
+
+    def cell(ok: dict[str, Record]) -> str:
+        vals = (getattr(ok[m], attr) if m in ok else None for m in methods)
+        return sep.join("-" if v is None else fmt(v) for v in vals)
+
+    return (head, cell)
+
+
+def host_device(records: Sequence[Record]) -> list[Extra]:
+    """ampfused's and torch's host and device medians, where measured (batched, GPU)."""
+    return [
+        joined(f"{kind}: {m}", f"{kind}_median_s", (m,), fmt_time)
+        for kind in ("host", "device")
+        if any(getattr(r, f"{kind}_median_s") is not None for r in records)
+        for m in ("ampfused", "torch")
+    ]
 
 
 def table(
@@ -81,39 +101,28 @@ def table(
             + [fn(ok) for _, fn in extra]
         )
     headers = ["gradients", "tensors", "MB", *names, *(h for h, _, _ in ratios)]
-    return _grid(rows, headers + [h for h, _ in extra], tablefmt)
+    return grid(rows, headers + [h for h, _ in extra], tablefmt)
 
 
 def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
-    """Every method's median per workload, then ampfused's GB/s, its and torch's ratio to the
-    floor, host / device times (batched, GPU), op counts and ampfused's speedup over torch."""
+    """Every method's median per workload, then ampfused's GB/s, ratios to the floor, host and
+    device times, op counts (a/t: ampfused/torch) and ampfused's speedup over torch."""
     from benchmarks.methods import METHODS
 
     names = [m for m in METHODS if any(r.method == m for r in records)]
-
-    def of(head: str, m: str, attr: str, fmt: Callable[[Any], str]) -> Extra:
-        return (head, lambda ok: "-" if m not in ok else fmt(getattr(ok[m], attr)))
-
-    def pair(head: str, attr: str) -> Extra:
-        def cell(ok: dict[str, Record]) -> str:
-            return "/".join(
-                str(getattr(ok[m], attr)) if m in ok else "-" for m in ("ampfused", "torch")
-            )
-
-        return (head, cell)
-
-    extra = [of("ampfused GB/s", "ampfused", "gbps", fmt_gbps)]
-    extra += [of(f"{m} x floor", m, "x_floor", fmt_x) for m in ("ampfused", "torch")]
+    a_t = ("ampfused", "torch")
+    extra = [joined("ampfused GB/s", "gbps", ("ampfused",), fmt_gbps)]
+    extra += [joined(f"{m} x floor", "x_floor", (m,), fmt_x) for m in a_t]
     if gpu:
-        extra += [of("ampfused x copy", "ampfused", "x_copy", fmt_x)]
-    if any(r.timing == "batched" for r in records):
-        extra += [of(f"host: {m}", m, "host_median_s", fmt_time) for m in ("ampfused", "torch")]
-    if gpu:
-        extra += [of(f"device: {m}", m, "device_median_s", fmt_time) for m in ("ampfused", "torch")]
-        extra += [pair("launches a/t", "launches"), pair("syncs a/t", "syncs")]
-    else:
-        extra += [pair("ops a/t", "ops"), pair("item() a/t", "items")]
-    extra += [of("speedup vs torch", "ampfused", "speedup_vs_torch", lambda x: fmt_x(x, 1))]
+        extra += [joined("ampfused x copy", "x_copy", ("ampfused",), fmt_x)]
+    extra += host_device(records)
+    counts = (
+        (("launches", "launches"), ("syncs", "syncs"))
+        if gpu
+        else (("ops", "ops"), ("item()", "items"))
+    )
+    extra += [joined(f"{h} a/t", attr, a_t, sep="/") for h, attr in counts]
+    extra += [joined("speedup vs torch", "speedup_vs_torch", ("ampfused",), lambda x: fmt_x(x, 1))]
     return table(records, names, [], extra, tablefmt)
 
 
@@ -148,7 +157,7 @@ def details(records: Sequence[Record], tablefmt: str) -> str:
         + [r.note]
         for r in records
     ]
-    return _grid(
+    return grid(
         rows, ["workload", "method", "median", *(h for h, _, _ in fields), "note"], tablefmt
     )
 
@@ -165,7 +174,7 @@ def e2e_table(e2e: dict[str, Any], tablefmt: str) -> str:
         )
     headers = ["scaler/optimizer", "median step", "IQR", "timed steps", "loss first -> last"]
     headers += ["skipped steps", "max |loss diff| (same optimizer)", "final weights bit-equal"]
-    return _grid(rows, headers, tablefmt)
+    return grid(rows, headers, tablefmt)
 
 
 # Ours against torch's way, per question: the pairs a summary line compares.
@@ -180,8 +189,8 @@ PAIRS = (
 
 
 def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[str]:
-    """How ampfused compares with torch, one line per question and pair: on how many gradient
-    sets it is faster, slower beyond noise (IQRs apart), and the range of torch / ampfused."""
+    """Per question and pair: on how many gradient sets ours is faster, slower beyond noise
+    (IQRs apart), and the range of theirs / ours."""
     lines = []
     for q in dict.fromkeys(r.question for r in records):
         groups = by_workload([r for r in records if r.question == q and r.ok])
@@ -189,8 +198,8 @@ def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[s
             pairs = [(g[ours], g[theirs]) for g in groups if ours in g and theirs in g]
             if not pairs:
                 continue
-            x = [t.median_s / a.median_s for a, t in pairs]  # type: ignore[operator]
-            slower = sum(a.q1_s > t.q3_s for a, t in pairs)  # type: ignore[operator]
+            x = [t.median_s / a.median_s for a, t in pairs]
+            slower = sum(a.q1_s > t.q3_s for a, t in pairs)
             lines.append(
                 f"{q}: {ours} faster than {theirs} on {sum(v > 1 for v in x)} of {len(x)} "
                 f"gradient sets, slower beyond noise on {slower}; {theirs} / {ours} "
@@ -207,7 +216,7 @@ def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[s
 
 def targets_table(results: Sequence[TargetResult], tablefmt: str) -> str:
     rows = [[t.name, t.requirement, t.value, t.verdict, t.detail] for t in results]
-    return _grid(rows, ["target", "requirement", "measured", "", "detail"], tablefmt)
+    return grid(rows, ["target", "requirement", "measured", "", "detail"], tablefmt)
 
 
 TARGETS_INTRO = (
@@ -219,8 +228,7 @@ TARGETS_INTRO = (
 
 # --------------------------------------------------------------------------- plots
 def plots(records: Sequence[Record], out: Path, title: str) -> dict[str, Path]:
-    """counts.png (time per step against the tensor count), sizes.png (GB/s against the tensor
-    size), models.png (speedup over torch per model); only those whose question ran."""
+    """counts.png, sizes.png, models.png: those whose question ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,26 +303,22 @@ def plots(records: Sequence[Record], out: Path, title: str) -> dict[str, Path]:
 
 # --------------------------------------------------------------------------- results.md
 def method_text(records: Sequence[Record]) -> str:
-    """How the tables' times were taken, for the top of results.md."""
-    common = (
-        "GB/s = bytes read + written (8 B per fp32 element for an unscale) / median time; "
-        "*x floor* = time / time of an in-place `torch._foreach_mul_` over the same gradients "
-        "in the same run; *speedup* = torch.amp.GradScaler time / this time. *realloc* rows: "
-        "new gradient tensors every step, as after `zero_grad(set_to_none=True)`."
+    batched = any(r.timing == "batched" for r in records)
+    how = (
+        'timed as a training loop runs (benchmarks/README.md, "Method"): a sample is a batch of '
+        "consecutive steps (*steps/sample*) with one device synchronization at the end, minus the "
+        "same batch of untimed gradient restores; *host* = CPU time to queue one step; *device* "
+        "= device time of one step from CUDA events"
+        if batched
+        else "host wall time including device completion"
     )
-    if not any(r.timing == "batched" for r in records):
-        return (
-            "Times are per optimizer step, host wall time including device completion, median "
-            "over interleaved rounds (IQR = interquartile range); " + common
-        )
     return (
-        "Times are per optimizer step, timed as a training loop runs: each sample is a batch "
-        "of consecutive steps (*steps/sample*) with one device synchronization at the end, "
-        "minus a batch of the same untimed gradient restores without the steps; median over "
-        "interleaved rounds (IQR = interquartile range). *host* = CPU time to queue one step "
-        "(launches, Python, host syncs inside the step); *device* = device time of one step "
-        "from CUDA events, the batch queued behind a device spin (a step with a host sync "
-        "inside also pays the device's idle time while the host turns around). " + common
+        f"Times are per optimizer step, {how}; median over interleaved rounds (IQR = "
+        "interquartile range). GB/s = bytes read + written (8 B per fp32 element for an "
+        "unscale) / median time; *x floor* = time / time of an in-place `torch._foreach_mul_` "
+        "over the same gradients in the same run; *speedup* = torch.amp.GradScaler time / this "
+        "time. *realloc* rows: new gradient tensors every step, as after "
+        "`zero_grad(set_to_none=True)`."
     )
 
 

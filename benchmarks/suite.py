@@ -1,7 +1,5 @@
-"""Runs the methods on one workload and turns their timings into result records: the
-:class:`Record` (one line of results.jsonl), :func:`run_workload`, and the per-step counts from
-``torch.profiler`` (kernel launches and host syncs on a GPU; dispatcher ops and ``.item()`` calls
-on CPU, each ``.item()`` a blocking host sync on a GPU) and of Python bytecodes."""
+"""One workload's methods timed into :class:`Record`s (the lines of results.jsonl), with
+per-step op counts (``torch.profiler``) and Python bytecodes."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -47,12 +45,8 @@ class Context:
 
 @dataclass
 class Record:
-    """One (question, workload, method) result; times in seconds, bandwidth in GB/s (1e9 B/s).
-
-    ``median_s`` is the step's cost: per-step timing (CPU): host wall time of one step including
-    device completion; batched timing (GPU): what one step adds to a loop of steps with one
-    synchronization at the end (see :mod:`benchmarks.timing`).  Batched records also carry the
-    step's host (CPU-side) cost and the subtracted restore's cost."""
+    """One (question, workload, method) result; seconds, GB/s (1e9 B/s).  ``median_s``: the
+    step's cost as :mod:`benchmarks.timing` measures it."""
 
     question: str
     workload: str
@@ -106,12 +100,10 @@ class Record:
 
     @property
     def variant(self) -> str:
-        """What sets this workload apart from the plain one: " +inf", " realloc", both or ""."""
         return (" +inf" if self.inject_inf else "") + (" realloc" if self.realloc else "")
 
     @property
     def label(self) -> str:
-        """The workload as the tables name it: "1000 x 1K fp32 +inf realloc"."""
         return f"{self.workload} {self.dtype}{self.variant}"
 
     @property
@@ -120,36 +112,47 @@ class Record:
             return None
         return self.q3_s - self.q1_s
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["iqr_s"] = self.iqr_s
-        return d
 
-
-def available_bytes(device: torch.device) -> int:
+def too_big(w: Workload, device: torch.device, copies: int = 1) -> str | None:
+    """Why ``copies`` builds of ``w`` do not fit in the free memory, or None."""
+    need = copies * (2 * w.grad_bytes + (64 << 20))
     if is_gpu(device):
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return f"needs {need / 2**30:.1f} GiB of memory" if need > 0.8 * free else None
 
 
 def _base(question: str, w: Workload, m: Method) -> Record:
     return Record(
-        question=question,
-        workload=w.name,
-        family=w.family,
-        dtype=w.dtype,
-        inject_inf=w.inject_inf,
-        n_tensors=w.n_tensors,
-        numel=w.numel,
-        grad_bytes=w.grad_bytes,
-        method=m.name,
-        kind=m.kind,
-        realloc=w.realloc,
-    )
+        question, w.name, w.family, w.dtype, w.inject_inf, w.n_tensors, w.numel, w.grad_bytes,
+        m.name, m.kind, realloc=w.realloc,
+    )  # fmt: skip
+
+
+def make_runners(
+    gs: GradSet, methods: list[Method], quick: bool = False
+) -> tuple[dict[str, Runner], dict[str, tuple[str, str]]]:
+    """The runners of the methods that can run on ``gs``; (status, note) of the others."""
+    runners: dict[str, Runner] = {}
+    status: dict[str, tuple[str, str]] = {}
+    w, gpu = gs.workload, is_gpu(gs.device)
+    for m in methods:
+        reason = m.unavailable(w, gs.device)
+        limit = (m.max_cpu_bytes or 0) // (4 if quick else 1)
+        if m.max_cpu_bytes is not None and not gpu and w.grad_bytes > limit:
+            reason = f"skipped on CPU above {limit / 2**20:.0f} MiB of gradients (time budget)"
+        if reason:
+            status[m.name] = ("n/a", reason)
+            continue
+        try:
+            runners[m.name] = m.factory(gs)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            status[m.name] = ("error", error_line(e))
+    return runners, status
 
 
 def run_workload(
@@ -159,35 +162,22 @@ def run_workload(
     methods: list[Method] | None = None,
     python_cost: bool = False,
 ) -> list[Record]:
-    """Builds ``w`` on the device, times ``methods`` (default: the context's) interleaved,
-    counts their ops (and, with ``python_cost``, the Python bytecodes of one step), and derives
-    GB/s, ratio to the floors and speedup over torch."""
+    """Builds ``w``, times ``methods`` (default: the context's), counts their ops (and, with
+    ``python_cost``, Python bytecodes), and derives GB/s and the ratios."""
     methods = methods if methods is not None else ctx.methods
     t0 = time.perf_counter()
     records = {m.name: _base(question, w, m) for m in methods}
     ctx.describe(w.label)
-    need = 2 * w.grad_bytes + (64 << 20)
-    if need > 0.8 * available_bytes(ctx.device):
+    big = too_big(w, ctx.device)
+    if big:
         for r in records.values():
-            r.status, r.note = "skipped", f"needs {need / 2**30:.1f} GiB of memory"
+            r.status, r.note = "skipped", big
         return list(records.values())
 
     gs = build(w, ctx.device)
-    runners: dict[str, Runner] = {}
-    for m in methods:
-        reason = m.unavailable(w, ctx.device)
-        if m.max_cpu_bytes is not None and not is_gpu(ctx.device):
-            limit = m.max_cpu_bytes // (4 if ctx.quick else 1)
-            if w.grad_bytes > limit:
-                reason = f"skipped on CPU above {limit / 2**20:.0f} MiB of gradients (time budget)"
-        if reason:
-            records[m.name].status, records[m.name].note = "n/a", reason
-            continue
-        try:
-            runners[m.name] = m.factory(gs)
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            records[m.name].status = "error"
-            records[m.name].note = error_line(e)
+    runners, status = make_runners(gs, methods, ctx.quick)
+    for name, (st, note) in status.items():
+        records[name].status, records[name].note = st, note
     timings = measure(gs, runners, ctx.timing)
     for name, t in timings.items():
         _fill_timing(records[name], t, runners[name].bytes_moved(gs))
@@ -197,8 +187,8 @@ def run_workload(
             if r.status == "ok" and r.pointer_change_rate is not None:
                 note = f"new gradient addresses in {r.pointer_change_rate:.0%} of steps"
                 r.note = f"{r.note}; {note}" if r.note else note
+    ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
     if ctx.profile:
-        ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
         try:
             counts = count_ops(gs, ok)
         except Exception as e:  # noqa: BLE001 - counts are optional
@@ -208,7 +198,6 @@ def run_workload(
             rec = records[name]
             rec.ops, rec.items, rec.launches, rec.syncs = c.ops, c.items, c.launches, c.syncs
     if python_cost:
-        ok = {n: r for n, r in runners.items() if records[n].status == "ok"}
         for name, n in python_bytecodes(gs, ok).items():
             records[name].py_bytecodes = n
     gs.release()
@@ -231,8 +220,7 @@ def _fill_timing(rec: Record, t: MethodTiming, nbytes: int) -> None:
         return
     rec.timing, rec.steps_per_sample = t.mode, t.steps
     rec.median_s, rec.q1_s, rec.q3_s, rec.samples = t.wall.median, t.wall.q1, t.wall.q3, t.wall.n
-    if rec.median_s <= 0:
-        # Batched: the step's cost vanished in the noise of the restores subtracted from it.
+    if rec.median_s <= 0:  # batched: lost in the noise of the restores subtracted
         rec.status = "n/a"
         rec.note = f"below resolution: median {rec.median_s * 1e6:.2f} us per step (<= 0)"
         rec.median_s = None
@@ -260,13 +248,13 @@ def derive(recs: list[Record]) -> None:
     floor, copy, ref = by.get("floor-mul"), by.get("floor-copy"), by.get("torch")
     for r in by.values():
         if floor is not None:
-            r.x_floor = r.median_s / floor.median_s  # type: ignore[operator]
+            r.x_floor = r.median_s / floor.median_s
         if copy is not None and r.gbps:
-            r.x_copy = copy.gbps / r.gbps  # type: ignore[operator]
+            r.x_copy = copy.gbps / r.gbps
             if copy.device_gbps and r.device_gbps:
                 r.device_x_copy = copy.device_gbps / r.device_gbps
         if ref is not None and r.kind != "floor":
-            r.speedup_vs_torch = ref.median_s / r.median_s  # type: ignore[operator]
+            r.speedup_vs_torch = ref.median_s / r.median_s
             if ref.device_median_s and r.device_median_s and r.device_median_s > 0:
                 r.device_speedup_vs_torch = ref.device_median_s / r.device_median_s
             if ref.host_median_s and r.host_median_s and r.host_median_s > 0:
@@ -274,19 +262,9 @@ def derive(recs: list[Record]) -> None:
 
 
 # --------------------------------------------------------------------------- counts
-_LAUNCH = {
-    "cudaLaunchKernel",
-    "cudaLaunchKernelExC",
-    "cuLaunchKernel",
-    "cuLaunchKernelEx",
-    "cudaLaunchCooperativeKernel",
-}
-_SYNC = {
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "cudaMemcpy",  # the synchronous variant
-}
+_LAUNCH = set("cudaLaunchKernel cudaLaunchKernelExC cuLaunchKernel cuLaunchKernelEx".split())
+_LAUNCH.add("cudaLaunchCooperativeKernel")
+_SYNC = set("cudaStreamSynchronize cudaDeviceSynchronize cudaEventSynchronize cudaMemcpy".split())
 _ITEM = "aten::_local_scalar_dense"
 _MARK = "ampfused_bench#"
 
@@ -301,9 +279,8 @@ class OpCounts:
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """The profiler's own C++ logging (kineto's ``USDT ... profiler_start``; on a machine
-    without a GPU, ``ERROR: ... gpuGetDeviceCount failed``) goes to file descriptor 2: into the
-    progress bar.  Silenced while it runs; its failures still raise."""
+    """The profiler's own C++ logging to file descriptor 2 (kineto's USDT lines, "ERROR: ...
+    gpuGetDeviceCount failed" without a GPU) would land in the progress bar."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -355,10 +332,8 @@ def count_ops(gs: GradSet, runners: dict[str, Runner]) -> dict[str, OpCounts]:
 
 
 def python_bytecodes(gs: GradSet, runners: dict[str, Runner]) -> dict[str, int]:
-    """Python bytecode instructions one step of each runner executes (each after an untraced
-    restore and reset), in every Python frame the step enters: its Python cost in a unit that
-    has no timing noise.  A count that grows with the number of gradients is per-parameter host
-    work; C++ loops (the fused pass, foreach kernels) do not count."""
+    """Python bytecode instructions one step of each runner executes, in every frame it enters:
+    host work without timing noise (a count growing with the tensor count is a Python loop)."""
     out: dict[str, int] = {}
     for name, runner in runners.items():
         gs.restore()

@@ -1,7 +1,5 @@
-"""ampfused's own performance targets, checked on a run's records: the CPU targets (step_cost,
-diagnostics and clip rows of a CPU run) and the GPU targets (a GPU run's records, or recorded
-as not yet measured).  Development goals, not correctness checks: the console and results.md
-show them last, in a section that says so."""
+"""ampfused's own performance targets, checked on a run's records: development goals, not
+correctness checks (the output shows them last, under a heading that says so)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,9 @@ NOT_RUN = "not measured in this run"
 class TargetResult:
     name: str
     requirement: str
-    value: str
-    passed: bool | None  # None: not measured
-    detail: str = ""
+    value: str = "-"
+    passed: bool | None = None  # None: not measured
+    detail: str = NOT_RUN
 
     @property
     def verdict(self) -> str:
@@ -36,7 +34,11 @@ def _get(records: list[Record], question: str, workload: str, method: str) -> Re
 
 
 def _ms(r: Record) -> str:
-    return f"{r.median_s * 1e3:.2f} ms"  # type: ignore[operator]
+    return f"{r.median_s * 1e3:.2f} ms"
+
+
+def _x(a: Record, b: Record) -> float:
+    return a.median_s / b.median_s
 
 
 def cpu_targets(records: list[Record], questions: list[str]) -> list[TargetResult]:
@@ -45,32 +47,29 @@ def cpu_targets(records: list[Record], questions: list[str]) -> list[TargetResul
     if "step_cost" in questions:
         for w, need in (("3000 x 16", 10.0), ("1000 x 1K", 5.0)):
             a, t = (_get(records, "step_cost", w, m) for m in ("ampfused", "torch"))
-            req = f">= {need:g}x lower per-step cost than torch.amp.GradScaler"
-            if a is None or t is None:
-                out.append(TargetResult(f"{w} fp32", req, "-", None, NOT_RUN))
-                continue
-            x = t.median_s / a.median_s  # type: ignore[operator]
-            detail = f"ampfused {a.median_s * 1e6:.0f} us, torch {t.median_s * 1e6:.0f} us"  # type: ignore[operator]
-            out.append(TargetResult(f"{w} fp32", req, f"{x:.2f}x", x >= need, detail))
+            res = TargetResult(
+                f"{w} fp32", f">= {need:g}x lower per-step cost than torch.amp.GradScaler"
+            )
+            if a is not None and t is not None:
+                res.value, res.passed = f"{_x(t, a):.2f}x", _x(t, a) >= need
+                res.detail = f"ampfused {a.median_s * 1e6:.0f} us, torch {t.median_s * 1e6:.0f} us"
+            out.append(res)
         for w, torch_ref in (("gpt2-124m", 1.17), ("4 x 16M", 1.26)):
             a, t = (_get(records, "step_cost", w, m) for m in ("ampfused", "torch"))
-            req = f"<= 1.05x the in-place _foreach_mul_ floor (torch ~{torch_ref}x)"
-            if a is None or a.x_floor is None:
-                out.append(TargetResult(f"{w} fp32", req, "-", None, NOT_RUN))
-                continue
-            tx = f"{t.x_floor:.3f}x" if t is not None and t.x_floor is not None else "-"
-            detail = f"torch here {tx} of the floor"
-            out.append(
-                TargetResult(f"{w} fp32", req, f"{a.x_floor:.3f}x", a.x_floor <= 1.05, detail)
+            res = TargetResult(
+                f"{w} fp32", f"<= 1.05x the in-place _foreach_mul_ floor (torch ~{torch_ref}x)"
             )
+            if a is not None and a.x_floor is not None:
+                res.value, res.passed = f"{a.x_floor:.3f}x", a.x_floor <= 1.05
+                tx = f"{t.x_floor:.3f}x" if t is not None and t.x_floor is not None else "-"
+                res.detail = f"torch here {tx} of the floor"
+            out.append(res)
     if "diagnostics" in questions:
         out += diagnostics_targets(records)
     if "clip" in questions:
         out.append(clip_target(records))
     if out and records:
-        info = never_slower(records)
-        info.name = "(info) never slower than torch"
-        out.append(info)
+        out.append(never_slower(records, "(info) never slower than torch"))
     return out
 
 
@@ -83,64 +82,55 @@ def diagnostics_targets(records: list[Record]) -> list[TargetResult]:
             _get(records, q, w.name, m)
             for m in ("ampfused", "ampfused-watch", "ampfused-norms", "torch-norms")
         )
-        name = f"diagnostics {w.name} fp32"
         req = f"watched pass (per-gradient statistics) <= {bound:g}x the plain ampfused pass"
-        if a is None or watched is None:
-            out.append(TargetResult(name, req, "-", None, NOT_RUN))
-            continue
-        ratio = watched.median_s / a.median_s  # type: ignore[operator]
-        detail = f"ampfused {_ms(a)}, watched {_ms(watched)}"
-        for label, x, y in (
-            ("torch + per-layer norms / watched", tn, watched),
-            ("/ watched + grad_norms()", tn, norms),
-        ):
-            if x is not None and y is not None:
-                detail += f"; {label} {x.median_s / y.median_s:.2f}x"  # type: ignore[operator]
-        out.append(TargetResult(name, req, f"{ratio:.3f}x", ratio <= bound, detail))
-    # Python bytecodes per watched step at 100..3000 tensors: a per-parameter Python loop adds
-    # several per parameter; allowed is less than one per ten parameters added.
+        res = TargetResult(f"diagnostics {w.name} fp32", req)
+        if a is not None and watched is not None:
+            res.value, res.passed = f"{_x(watched, a):.3f}x", _x(watched, a) <= bound
+            res.detail = f"ampfused {_ms(a)}, watched {_ms(watched)}"
+            for label, x, y in (
+                ("torch + per-layer norms / watched", tn, watched),
+                ("/ watched + grad_norms()", tn, norms),
+            ):
+                if x is not None and y is not None:
+                    res.detail += f"; {label} {_x(x, y):.2f}x"
+        out.append(res)
+    # A per-parameter Python loop adds several bytecodes a parameter; allowed: under one per ten.
     req = "no per-parameter host work: Python bytecodes of a watched step flat in the tensor count"
+    res = TargetResult("diagnostics host cost", req)
     have = []
     for n in qs.DIAG_COUNTS:
         w = qs.diag_count_workload(n).name
         watched, a = _get(records, q, w, "ampfused-watch"), _get(records, q, w, "ampfused")
         if watched is not None and watched.py_bytecodes is not None:
             have.append((n, watched, a))
-    if len(have) < 2:
-        return [*out, TargetResult("diagnostics host cost", req, "-", None, NOT_RUN)]
-    (n0, w0, _), (n1, w1, _) = have[0], have[-1]
-    growth = (w1.py_bytecodes - w0.py_bytecodes) / (n1 - n0)  # type: ignore[operator]
-    detail = f"at {' / '.join(str(n) for n, _, _ in have)} x {qs.DIAG_COUNT_NUMEL}"
-    detail += f" ({growth:+.3f} per added tensor); watched / plain time "
-    detail += " / ".join(
-        f"{w.median_s / a.median_s:.2f}x" if a is not None else "-"  # type: ignore[operator]
-        for _, w, a in have
-    )
-    value = " / ".join(str(w.py_bytecodes) for _, w, _ in have)
-    return [*out, TargetResult("diagnostics host cost", req, value, abs(growth) < 0.1, detail)]
+    if len(have) >= 2:
+        (n0, w0, _), (n1, w1, _) = have[0], have[-1]
+        growth = (w1.py_bytecodes - w0.py_bytecodes) / (n1 - n0)
+        res.value = " / ".join(str(w.py_bytecodes) for _, w, _ in have)
+        res.passed = abs(growth) < 0.1
+        res.detail = f"at {' / '.join(str(n) for n, _, _ in have)} x {qs.DIAG_COUNT_NUMEL}"
+        res.detail += f" ({growth:+.3f} per added tensor); watched / plain time "
+        res.detail += " / ".join(f"{_x(w, a):.2f}x" if a else "-" for _, w, a in have)
+    return [*out, res]
 
 
 def clip_target(records: list[Record]) -> TargetResult:
-    """clip_grad_norm_ through the scaler at least 1.5x faster than torch's unscale_ +
-    clip_grad_norm_ on GPT-2 124M fp32, the floor beside it."""
+    """clip_grad_norm_ through the scaler >= 1.5x faster than torch's pair on GPT-2 124M fp32."""
     w, bound = qs.GPT2.name, qs.CLIP_SPEEDUP_BOUND
     clip, pair, floor = (
         _get(records, "clip", w, m) for m in ("ampfused-clip", "torch-clip", "floor-mul")
     )
-    name, req = (
-        f"clip {w} fp32",
-        f"clip_grad_norm_ >= {bound:g}x faster than torch's unscale_ + clip",
-    )
-    if clip is None or pair is None:
-        return TargetResult(name, req, "-", None, NOT_RUN)
-    x = pair.median_s / clip.median_s  # type: ignore[operator]
-    detail = f"fused {_ms(clip)}, torch's pair {_ms(pair)}"
-    if floor is not None:
-        detail += f"; fused / floor {clip.median_s / floor.median_s:.2f}x (ideal 1.5x)"  # type: ignore[operator]
-    return TargetResult(name, req, f"{x:.2f}x", x >= bound, detail)
+    req = f"clip_grad_norm_ >= {bound:g}x faster than torch's unscale_ + clip"
+    res = TargetResult(f"clip {w} fp32", req)
+    if clip is not None and pair is not None:
+        res.value, res.passed = f"{_x(pair, clip):.2f}x", _x(pair, clip) >= bound
+        res.detail = f"fused {_ms(clip)}, torch's pair {_ms(pair)}"
+        if floor is not None:
+            res.detail += f"; fused / floor {_x(clip, floor):.2f}x (ideal 1.5x)"
+    return res
 
 
-def never_slower(records: list[Record]) -> TargetResult:
+def never_slower(records: list[Record], name: str = "never slower than torch") -> TargetResult:
     """ampfused.GradScaler against torch.amp.GradScaler on every workload both ran: slower
     means its first quartile above torch's third."""
     torch_by = {(r.question, r.label): r for r in records if r.method == "torch" and r.ok}
@@ -149,22 +139,18 @@ def never_slower(records: list[Record]) -> TargetResult:
         for r in records
         if r.method == "ampfused" and r.ok and (r.question, r.label) in torch_by
     ]
-    bad = [a for a, t in pairs if a.q1_s > t.q3_s]  # type: ignore[operator]
-    worst = min((t.median_s / a.median_s for a, t in pairs), default=None)  # type: ignore[operator]
-    detail = (
-        f"{len(pairs)} workloads; worst median ratio {worst:.2f}x"
-        if pairs
-        else "no workload with both scalers"
-    )
-    if bad:
-        detail += "; slower on: " + ", ".join(f"{r.question}:{r.label}" for r in bad[:6])
+    bad = [a for a, t in pairs if a.q1_s > t.q3_s]
     req = (
         "on every workload, ampfused.GradScaler not slower than torch.amp.GradScaler "
         "(slower = its 25th percentile above torch's 75th)"
     )
-    return TargetResult(
-        "never slower than torch", req, f"{len(bad)} slower", (not bad) if pairs else None, detail
-    )
+    if not pairs:
+        return TargetResult(name, req, "0 slower", None, "no workload with both scalers")
+    worst = min(_x(t, a) for a, t in pairs)
+    detail = f"{len(pairs)} workloads; worst median ratio {worst:.2f}x"
+    if bad:
+        detail += "; slower on: " + ", ".join(f"{r.question}:{r.label}" for r in bad[:6])
+    return TargetResult(name, req, f"{len(bad)} slower", not bad, detail)
 
 
 BANDWIDTH = ">= 90% of device-copy bandwidth for >= 1 GiB of gradients"
@@ -173,41 +159,29 @@ E2E = "end-to-end GPT step no slower than with torch's scaler (and identical los
 
 
 def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[TargetResult]:
-    """GPU targets from a GPU run (host+device times; device time for the bandwidth target)."""
+    """From a GPU run: host+device times; device time for the bandwidth target."""
     ours = [r for r in records if r.method == "ampfused" and r.ok]
+    out = [
+        TargetResult("bandwidth", BANDWIDTH, detail="no >= 1 GiB workload ran"),
+        TargetResult("many tensors", MANY, detail="no >= 1,000-tensor workload ran"),
+    ]
     big = [r for r in ours if r.grad_bytes >= 1 << 30 and (r.device_x_copy or r.x_copy)]
     if big:
-        worst = max(big, key=lambda r: r.device_x_copy or r.x_copy)  # type: ignore[arg-type,return-value]
-        frac = 1 / (worst.device_x_copy or worst.x_copy)  # type: ignore[operator]
-        out = [
-            TargetResult(
-                "bandwidth",
-                BANDWIDTH,
-                f"{frac:.0%}",
-                frac >= 0.9,
-                f"worst: {worst.question}:{worst.label}",
-            )
-        ]
-    else:
-        out = [TargetResult("bandwidth", BANDWIDTH, "-", None, "no >= 1 GiB workload ran")]
+        worst = max(big, key=lambda r: r.device_x_copy or r.x_copy)
+        frac = 1 / (worst.device_x_copy or worst.x_copy)
+        out[0].value, out[0].passed = f"{frac:.0%}", frac >= 0.9
+        out[0].detail = f"worst: {worst.question}:{worst.label}"
     many = [r for r in ours if r.n_tensors >= 1000 and r.speedup_vs_torch]
     if many:
-        worst = min(many, key=lambda r: r.speedup_vs_torch)  # type: ignore[arg-type,return-value]
-        x = worst.speedup_vs_torch
-        out.append(
-            TargetResult(
-                "many tensors",
-                MANY,
-                f"{x:.2f}x",
-                x >= 5.0,
-                f"worst: {worst.question}:{worst.label}",
-            )
-        )  # type: ignore[operator]
-    else:
-        out.append(TargetResult("many tensors", MANY, "-", None, "no >= 1,000-tensor workload ran"))
+        worst = min(many, key=lambda r: r.speedup_vs_torch)
+        out[1].value, out[1].passed = (
+            f"{worst.speedup_vs_torch:.2f}x",
+            worst.speedup_vs_torch >= 5.0,
+        )
+        out[1].detail = f"worst: {worst.question}:{worst.label}"
     out.append(never_slower(records))
     if not e2e:
-        return [*out, TargetResult("end-to-end", E2E, "-", None, "e2e not run")]
+        return [*out, TargetResult("end-to-end", E2E, detail="e2e not run")]
     comps = e2e["comparisons"]
     slower = [k for k, c in comps.items() if c["ampfused_slower_beyond_iqr"]]
     same = all(c["max_abs_loss_diff"] == 0 and c["weights_bitwise_equal"] for c in comps.values())
@@ -222,12 +196,10 @@ def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[Targe
 
 def gpu_not_measured() -> list[TargetResult]:
     never = "never slower than torch.amp.GradScaler on any workload"
-    return [
-        TargetResult(name, req, "-", None)
-        for name, req in (
-            ("bandwidth", BANDWIDTH),
-            ("many tensors", MANY),
-            ("never slower", never),
-            ("end-to-end", E2E),
-        )
-    ]
+    reqs = (
+        ("bandwidth", BANDWIDTH),
+        ("many tensors", MANY),
+        ("never slower", never),
+        ("end-to-end", E2E),
+    )
+    return [TargetResult(name, req, detail="") for name, req in reqs]

@@ -1,13 +1,7 @@
-"""Gradient sets to benchmark: model parameter shape lists written out here (no downloads) and
-synthetic count/size sweeps, turned into real gradients attached to parameters of a no-op
-optimizer.
-
-A :class:`GradSet` keeps every gradient as a view into one flat buffer per dtype plus a pristine
-copy of it, so restoring all gradients between timed runs is one copy per dtype (untimed) and the
-scaled values never drift into subnormals however many steps are timed.  A ``realloc`` workload
-instead replaces every gradient by a freshly allocated tensor at each restore, as a training loop
-with ``optimizer.zero_grad(set_to_none=True)`` (torch's default) followed by ``backward()`` does.
-"""
+"""Gradient sets: model shape lists written out here (no downloads) and synthetic sweeps, made
+into gradients of a no-op optimizer's parameters.  A :class:`GradSet` keeps them as views into
+one flat buffer per dtype with a pristine copy, so a restore is one copy per dtype (a
+``realloc`` workload instead gives every parameter a new gradient tensor at each restore)."""
 
 from __future__ import annotations
 
@@ -25,27 +19,22 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-# "mixed": each tensor takes one of these at random (fixed seed): every dtype ends up with large
-# and small tensors and about a third of the bytes (a round robin would follow the period of the
-# shape list, e.g. all ResNet convolutions fp32).
+# "mixed": each tensor one of these at random (fixed seed; a round robin would follow the
+# period of the shape list).
 MIXED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIXED_SEED = 0
 DTYPE_NAMES = (*DTYPES, "mixed")
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-# The default scale of torch.amp.GradScaler, used by every method.
-INIT_SCALE = 2.0**16
-# Gradients are stored as (value * INIT_SCALE) with value ~ N(0, 1e-3): the scaled magnitudes stay
-# far below the float16 maximum and the unscaled ones are normal numbers in every dtype.
+INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default
+# Scaled gradients ~ N(0, 1e-3) * INIT_SCALE: far below float16's maximum, normal once unscaled.
 GRAD_STD = 2.0**-10
-# Each tensor starts on a 64-byte boundary of its flat buffer (aligned vector paths apply).
-ALIGN_BYTES = 64
+ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary of its flat buffer
 
 
 # --------------------------------------------------------------------------- shape lists
 def gpt2_124m() -> list[Shape]:
-    """GPT-2 small (124M) as in Hugging Face ``GPT2LMHeadModel`` (lm_head tied to wte;
-    Conv1D weights stored (in, out)): 148 tensors, 124,439,808 parameters."""
+    """Hugging Face ``GPT2LMHeadModel`` (lm_head tied): 148 tensors, 124,439,808 parameters."""
     d, vocab, ctx, layers = 768, 50257, 1024, 12
     shapes: list[Shape] = [(vocab, d), (ctx, d)]
     for _ in range(layers):
@@ -62,8 +51,7 @@ def gpt2_124m() -> list[Shape]:
 def llama(
     layers: int, hidden: int, intermediate: int, vocab: int, heads: int, kv_heads: int
 ) -> list[Shape]:
-    """A Llama-style decoder (RMSNorm, SwiGLU MLP, grouped-query attention, untied lm_head),
-    weights stored (out, in) as in ``nn.Linear``, no biases."""
+    """RMSNorm, SwiGLU MLP, grouped-query attention, untied lm_head, no biases."""
     kv = hidden // heads * kv_heads
     shapes: list[Shape] = [(vocab, hidden)]  # embed_tokens
     for _ in range(layers):
@@ -76,21 +64,17 @@ def llama(
 
 
 def llama_1b() -> list[Shape]:
-    """16 layers, hidden 2048, 32 heads / 8 KV heads, intermediate 8192, vocab 32000: 147 tensors,
-    1,104,218,112 parameters."""
+    """147 tensors, 1,104,218,112 parameters."""
     return llama(16, 2048, 8192, 32000, 32, 8)
 
 
 def llama_7b() -> list[Shape]:
-    """Llama-2-7B: 32 layers, hidden 4096, 32 heads (no GQA), intermediate 11008, vocab 32000:
-    291 tensors, 6,738,415,616 parameters."""
+    """Llama-2-7B: 291 tensors, 6,738,415,616 parameters."""
     return llama(32, 4096, 11008, 32000, 32, 32)
 
 
 def resnet50() -> list[Shape]:
-    """torchvision ``resnet50`` (bottleneck v1.5, 1000 classes): conv weights (out, in, kh, kw),
-    BatchNorm weight and bias (running stats are buffers, not parameters): 161 tensors,
-    25,557,032 parameters."""
+    """torchvision ``resnet50`` (BatchNorm weight and bias): 161 tensors, 25,557,032."""
     shapes: list[Shape] = [(64, 3, 7, 7), (64,), (64,)]
     inplanes = 64
     for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True):
@@ -107,7 +91,7 @@ def resnet50() -> list[Shape]:
 
 
 def bert_base() -> list[Shape]:
-    """``bert-base-uncased`` (``BertModel`` with pooler): 199 tensors, 109,482,240 parameters."""
+    """``bert-base-uncased`` with pooler: 199 tensors, 109,482,240 parameters."""
     d, ff, vocab = 768, 3072, 30522
     shapes: list[Shape] = [(vocab, d), (512, d), (2, d), (d,), (d,)]
     for _ in range(12):
@@ -120,8 +104,7 @@ def bert_base() -> list[Shape]:
 
 
 def vit_b16() -> list[Shape]:
-    """ViT-B/16 at 224x224 (timm ``vit_base_patch16_224``, 1000 classes): 152 tensors,
-    86,567,656 parameters."""
+    """timm ``vit_base_patch16_224``: 152 tensors, 86,567,656 parameters."""
     d, ff = 768, 3072
     shapes: list[Shape] = [(1, 1, d), (1, 197, d), (d, 3, 16, 16), (d,)]
     for _ in range(12):
@@ -163,17 +146,12 @@ def numel_of(shapes: Sequence[Shape]) -> int:
 # --------------------------------------------------------------------------- workloads
 @dataclass(frozen=True)
 class Workload:
-    """One gradient set: a shape list, a dtype spec and whether one element is inf."""
-
-    name: str  # e.g. "gpt2-124m", "count=1000 x 1024", "size=2^20 x 8"
+    name: str
     shapes: tuple[Shape, ...]
     dtype: str = "fp32"  # fp32 | fp16 | bf16 | mixed
-    inject_inf: bool = False
+    inject_inf: bool = False  # one element inf
     family: str = "model"  # model | count | size | target
-    # False: the same gradient tensors every step (zero_grad(set_to_none=False), or gradients
-    # that live in a persistent buffer).  True: new gradient tensors every step, as after
-    # zero_grad(set_to_none=True) + backward(); where they land is the allocator's choice.
-    realloc: bool = False
+    realloc: bool = False  # new gradient tensors every step (zero_grad(set_to_none=True))
 
     @property
     def n_tensors(self) -> int:
@@ -191,7 +169,6 @@ class Workload:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage (each element once)."""
         return sum(
             math.prod(s) * torch.empty((), dtype=dt).element_size()
             for s, dt in zip(self.shapes, self.dtypes(), strict=True)
@@ -199,7 +176,7 @@ class Workload:
 
     @property
     def unscale_bytes(self) -> int:
-        """Bytes moved by one unscale pass: every element read and written (8 B per fp32)."""
+        """Every element read and written (8 B per fp32)."""
         return 2 * self.grad_bytes
 
     def has(self, dtype: torch.dtype) -> bool:
@@ -221,17 +198,14 @@ class NoOpOptimizer(torch.optim.Optimizer):
         super().__init__(params, {})
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         return None
 
 
 @dataclass
 class GradSet:
-    """Gradients of one workload on one device, attached as ``.grad`` of parameters.
-
-    ``grads`` and the lists in ``groups`` are updated in place by :meth:`restore` (a realloc
-    workload puts new tensors in them), so a runner may hold on to these lists.
-    """
+    """Gradients attached as ``.grad`` of parameters; :meth:`restore` refills ``grads`` and
+    ``groups`` in place, so runners may hold on to these lists."""
 
     workload: Workload
     device: torch.device
@@ -241,8 +215,7 @@ class GradSet:
     flats: dict[torch.dtype, torch.Tensor]
     pristine: dict[torch.dtype, torch.Tensor]
     groups: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
-    # realloc: the pristine values of each dtype's gradients, as views in gradient order, and
-    # each gradient's (dtype, index in its group).
+    # realloc: pristine views per dtype, and each gradient's (dtype, index in its group)
     pristine_groups: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
     grad_slots: list[tuple[torch.dtype, int]] = field(default_factory=list)
     reallocs: int = 0  # realloc restores so far
@@ -250,8 +223,7 @@ class GradSet:
     _last_pointers: tuple[int, ...] | None = None
 
     def restore(self) -> None:
-        """Put the pristine scaled gradients back (call outside the timed region): one copy per
-        dtype into the same tensors, or (realloc) new tensors holding the pristine values."""
+        """The pristine scaled gradients back, untimed (realloc: in new tensors)."""
         if self.workload.realloc:
             self._realloc()
             return
@@ -265,9 +237,8 @@ class GradSet:
         self.grads.clear()
         for lst in self.groups.values():
             lst.clear()
-        # ... then backward() allocates one new tensor per parameter, the last layers first.  A
-        # foreach multiply by 1 (exact in every dtype) allocates them from the device's allocator
-        # and fills them in a few calls instead of a Python loop.
+        # ... then backward() allocates one per parameter, last layers first (a foreach multiply
+        # by 1, exact in every dtype, allocates and fills them in a few calls).
         for dt, src in self.pristine_groups.items():
             self.groups[dt].extend(torch._foreach_mul(src[::-1], 1.0)[::-1])
         for p, (dt, k) in zip(self.params, self.grad_slots, strict=True):
@@ -282,8 +253,7 @@ class GradSet:
 
     @property
     def pointer_change_rate(self) -> float | None:
-        """realloc: the share of restores (after the first) whose gradient pointer list differed
-        from the previous one, i.e. that a cache keyed by pointers would miss."""
+        """realloc: the share of restores that changed the gradient pointer list."""
         if not self.workload.realloc or self.reallocs < 2:
             return None
         return self.pointer_changes / (self.reallocs - 1)
@@ -291,25 +261,10 @@ class GradSet:
     def release(self) -> None:
         for p in self.params:
             p.grad = None
-        self.grads.clear()
-        self.params.clear()
-        self.groups.clear()
-        self.pristine_groups.clear()
-        self.grad_slots.clear()
-        self.flats.clear()
-        self.pristine.clear()
-        self.optimizer.param_groups.clear()
-
-
-def _fill(flat: torch.Tensor, gen: torch.Generator) -> None:
-    # A random block tiled over the buffer: cheap for billions of elements, and the values are
-    # what matters (none of the methods depends on the position of a value).
-    block = 1 << 20
-    base = (torch.randn(block, generator=gen) * (GRAD_STD * INIT_SCALE)).to(flat.device)
-    n = flat.numel()
-    for start in range(0, n, block):
-        end = min(n, start + block)
-        flat[start:end].copy_(base[: end - start])
+        for c in (self.grads, self.params, self.groups, self.pristine_groups, self.grad_slots):
+            c.clear()
+        for c in (self.flats, self.pristine, self.optimizer.param_groups):
+            c.clear()
 
 
 def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
@@ -324,9 +279,11 @@ def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
         used[dt] = start + math.prod(shape)
     gen = torch.Generator().manual_seed(seed)
     flats: dict[torch.dtype, torch.Tensor] = {}
-    for dt, n in used.items():
-        flats[dt] = torch.empty(n, dtype=dt, device=device)
-        _fill(flats[dt], gen)
+    for dt, n in used.items():  # a random block tiled over each buffer: cheap for billions
+        base = (torch.randn(1 << 20, generator=gen) * (GRAD_STD * INIT_SCALE)).to(device)
+        flats[dt] = flat = torch.empty(n, dtype=dt, device=device)
+        for start in range(0, n, 1 << 20):
+            flat[start : start + (1 << 20)].copy_(base[: min(n - start, 1 << 20)])
     grads = [
         flats[dt][off : off + math.prod(shape)].view(shape)
         for shape, dt, off in zip(workload.shapes, dtypes, offsets, strict=True)
@@ -335,37 +292,24 @@ def build(workload: Workload, device: torch.device, seed: int = 0) -> GradSet:
         g = grads[len(grads) // 2].view(-1)
         g[g.numel() // 2] = float("inf")
     pristine = {dt: f.clone() for dt, f in flats.items()}
-    # Parameters are views of the pristine buffers: the right shape, dtype and device, no extra
-    # memory; the no-op optimizer never writes them.
+    # Parameters are views of the pristine buffers (no extra memory; never written).
     params = []
-    for shape, dt, off in zip(workload.shapes, dtypes, offsets, strict=True):
-        p = torch.nn.Parameter(pristine[dt][off : off + math.prod(shape)].view(shape))
-        params.append(p)
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     pristine_groups: dict[torch.dtype, list[torch.Tensor]] = {}
     slots: list[tuple[torch.dtype, int]] = []
-    for p, g in zip(params, grads, strict=True):
+    for shape, g, off in zip(workload.shapes, grads, offsets, strict=True):
+        p = torch.nn.Parameter(pristine[g.dtype][off : off + math.prod(shape)].view(shape))
+        p.grad = g
+        params.append(p)
         slots.append((g.dtype, len(groups.get(g.dtype, []))))
         groups.setdefault(g.dtype, []).append(g)
         pristine_groups.setdefault(g.dtype, []).append(p.detach())
-    gs = GradSet(
-        workload=workload,
-        device=device,
-        grads=grads,
-        params=params,
-        optimizer=NoOpOptimizer(params),
-        flats=flats,
-        pristine=pristine,
-        groups=groups,
-        pristine_groups=pristine_groups if workload.realloc else {},
-        grad_slots=slots if workload.realloc else [],
-    )
+    r = workload.realloc
+    gs = GradSet(workload, device, grads, params, NoOpOptimizer(params), flats, pristine, groups,
+                 pristine_groups if r else {}, slots if r else [])  # fmt: skip
     if workload.realloc:
-        # The gradients become separate allocations from here on; the flat buffers go (no local
-        # view may keep one alive through the first restore).
-        g = p = None
+        # Separate allocations from here on; no local view may keep a flat buffer alive.
+        g = p = flat = None
         flats.clear()
         gs.restore()
     return gs

@@ -1,8 +1,5 @@
-"""The diagnostics question: its methods compute what they claim, the Python bytecode count
-sees per-parameter host work, the targets judge the right rows, and the suite wires it in.
-
-    python -m pytest benchmarks/tests -q
-"""
+"""The diagnostics question: its methods log what they claim, the Python bytecode count sees
+per-parameter host work, the targets judge the right rows, and the suite prints its table."""
 
 from __future__ import annotations
 
@@ -14,198 +11,113 @@ import torch
 import benchmarks.__main__ as suite_main
 from benchmarks import questions as qs
 from benchmarks import targets
-from benchmarks.methods import COMPARED, METHODS, Runner, select
-from benchmarks.suite import Context, Record, derive, python_bytecodes, run_workload
+from benchmarks.methods import METHODS, Runner, select
+from benchmarks.suite import Context, derive, python_bytecodes, run_workload
+from benchmarks.tests import rec
 from benchmarks.timing import TimingConfig
-from benchmarks.workloads import GradSet, Workload, build, uniform
+from benchmarks.workloads import Workload, build, uniform
 
 CPU = torch.device("cpu")
 
 
-def grad_set(n: int, numel: int = 16, dtype: str = "fp32") -> GradSet:
-    return build(Workload(f"{n} x {numel}", tuple(uniform(n, numel)), dtype), CPU)
-
-
-# --------------------------------------------------------------------------- the methods
 @pytest.mark.parametrize("dtype", ["fp32", "mixed"])
 def test_watched_norms_match_the_per_layer_loop(dtype: str) -> None:
-    """ampfused-norms and torch-norms log the same keys and, within fp32 rounding, the same
-    norms of the same unscaled gradients; the plain and watched passes unscale alike."""
-    gs = grad_set(24, 300, dtype)
-    runners = {m: METHODS[m].factory(gs) for m in ("ampfused-norms", "torch-norms")}
+    """ampfused-norms and torch-norms log the same keys and norms (within fp32 rounding) of the
+    same unscaled gradients; the watched pass unscales as the plain one does."""
+    gs = build(Workload("24 x 300", tuple(uniform(24, 300)), dtype), CPU)
     logged = {}
-    for name, r in runners.items():
+    for name in ("ampfused-norms", "torch-norms", "ampfused-watch"):
+        r = METHODS[name].factory(gs)
         gs.restore()
-        r.reset()
         r.run()
-        logged[name] = r.logged  # type: ignore[attr-defined]
-        unscaled = [g.clone() for g in gs.grads]
+        logged[name] = r.logged
+        if name != "ampfused-watch":
+            unscaled = [g.clone() for g in gs.grads]
     ours, theirs = logged["ampfused-norms"], logged["torch-norms"]
-    assert list(ours) == list(theirs) and len(ours) == 25
-    # fp32 sums of squares in different orders: a few ulps apart at most.
+    assert list(ours) == list(theirs) and len(ours) == 25 and ours["grad_2.0_norm_total"] > 0
     assert ours == pytest.approx(theirs, rel=1e-5)
-    assert ours["grad_2.0_norm_total"] > 0
-    watched = METHODS["ampfused-watch"].factory(gs)
-    gs.restore()
-    watched.run()
     assert all(torch.equal(g, u) for g, u in zip(gs.grads, unscaled, strict=True))
+    # Like the clip, masters and collective methods, they run only in their question.
+    assert {"ampfused-watch", "torch-norms"}.isdisjoint(m.name for m in select(None, CPU))
 
 
-def test_diagnostics_methods_run_only_when_asked() -> None:
-    extra = {"ampfused-watch", "ampfused-norms", "torch-norms"}
-    assert extra <= set(COMPARED)
-    assert not extra & {m.name for m in select(None, CPU)}
-    assert {m.name for m in select(["torch-norms"], CPU)} == {"torch-norms", "floor-mul"}
-
-
-# --------------------------------------------------------------------------- Python cost
-class PerTensorLoop(Runner):
-    """Host work per parameter: a Python multiply per gradient."""
-
-    def __init__(self, gs: GradSet) -> None:
-        self.grads = gs.grads
+class Loop(Runner):
+    def __init__(self, gs, per_tensor: bool) -> None:  # noqa: ANN001
+        self.grads, self.per_tensor = gs.grads, per_tensor
 
     def run(self) -> None:
+        if not self.per_tensor:
+            return torch._foreach_mul_(self.grads, 0.5)
         for g in self.grads:
             g.mul_(0.5)
-
-
-class OneCall(Runner):
-    def __init__(self, gs: GradSet) -> None:
-        self.grads = gs.grads
-
-    def run(self) -> None:
-        torch._foreach_mul_(self.grads, 0.5)
 
 
 def test_python_bytecodes_see_per_parameter_work() -> None:
     counts = {}
     for n in (10, 100):
-        gs = grad_set(n)
-        counts[n] = python_bytecodes(gs, {"loop": PerTensorLoop(gs), "one": OneCall(gs)})
-        again = python_bytecodes(gs, {"loop": PerTensorLoop(gs), "one": OneCall(gs)})
-        assert again == counts[n]  # no timing noise: the same step counts the same
+        gs = build(Workload("n x 16", tuple(uniform(n, 16))), CPU)
+        runners = {"loop": Loop(gs, True), "one": Loop(gs, False)}
+        counts[n] = python_bytecodes(gs, runners)
+        assert python_bytecodes(gs, runners) == counts[n]  # no timing noise
     assert counts[10]["one"] == counts[100]["one"] > 0
-    per_tensor = (counts[100]["loop"] - counts[10]["loop"]) / 90
-    assert per_tensor >= 5  # the loop's body, counted in the frame run() enters
-
-
-def test_watched_step_has_flat_python_cost() -> None:
-    """The real methods on a small scale: the watched pass's Python work does not grow with
-    the number of gradients; the per-layer loop's does."""
-    ctx = Context(
-        device=CPU,
-        timing=TimingConfig(warmup=1, min_rounds=1, enough_rounds=1, max_wall_s=1),
-        methods=[],
-        profile=False,
-    )
+    assert (counts[100]["loop"] - counts[10]["loop"]) / 90 >= 5
+    # The real methods: the watched pass's Python work is flat, the per-layer loop's is not.
+    timing = TimingConfig(min_rounds=1, enough_rounds=1, max_wall_s=1)
+    ctx = Context(device=CPU, timing=timing, methods=[], profile=False)
     code: dict[str, list[int]] = {}
     for n in (20, 200):
-        w = qs.diag_count_workload(n)
         methods = [METHODS[m] for m in qs.DIAG_COUNT_METHODS]
-        for r in run_workload(ctx, "diagnostics", w, methods, python_cost=True):
+        for r in run_workload(ctx, "diagnostics", qs.diag_count_workload(n), methods, True):
             assert r.ok, r.note
-            code.setdefault(r.method, []).append(r.py_bytecodes)  # type: ignore[arg-type]
+            code.setdefault(r.method, []).append(r.py_bytecodes)
     assert code["ampfused-watch"][0] == code["ampfused-watch"][1]
     assert code["ampfused"][0] == code["ampfused"][1]
     assert code["torch-norms"][1] - code["torch-norms"][0] >= 180 * 5
 
 
-# --------------------------------------------------------------------------- targets
-US = 1e-6
-
-
-def rec(workload: str, method: str, ms: float, dtype: str = "fp32", code: int | None = None):  # noqa: ANN201
-    r = Record(
-        question="diagnostics",
-        workload=workload,
-        family="target",
-        dtype=dtype,
-        inject_inf=False,
-        n_tensors=4,
-        numel=64,
-        grad_bytes=256,
-        method=method,
-        kind="floor" if method == "floor-mul" else "scaler",
-        samples=15,
-        py_bytecodes=code,
-    )
-    r.median_s = ms * 1e-3
-    r.q1_s, r.q3_s = r.median_s * 0.99, r.median_s * 1.01
-    return r
-
-
-def bound_records(watch_ms: float) -> list[Record]:
-    # The mixed set of the same model, first: not what the bound is stated on.
-    out = [
-        rec("gpt2-124m", "ampfused", 10.0, "mixed"),
-        rec("gpt2-124m", "ampfused-watch", 1.0, "mixed"),
-    ]
+def records(watch_ms: float, watch_code: list[int]) -> list:
+    # The mixed set of the same model first: not what the bound is stated on.
+    out = [rec("ampfused", 1e4, 1, workload="gpt2-124m", dtype="mixed", question="diagnostics")]
     for w in ("gpt2-124m", "4 x 16M"):
-        out += [
-            rec(w, "ampfused", 20.0),
-            rec(w, "ampfused-watch", watch_ms),
-            rec(w, "ampfused-norms", watch_ms + 0.5),
-            rec(w, "torch-norms", 40.0),
-        ]
-    return out
-
-
-def count_records(watch_code: list[int]) -> list[Record]:
-    out = []
+        for m, ms in (("ampfused", 20.0), ("ampfused-watch", watch_ms), ("torch-norms", 40.0)):
+            out.append(rec(m, ms * 1e3, ms * 20, workload=w, question="diagnostics"))
+        out.append(rec("ampfused-norms", watch_ms * 1e3 + 500, workload=w, question="diagnostics"))
     for n, code in zip(qs.DIAG_COUNTS, watch_code, strict=True):
         w = qs.diag_count_workload(n).name
-        out += [
-            rec(w, "ampfused", 0.1 * n / 100),
-            rec(w, "ampfused-watch", 0.11 * n / 100, code=code),
-        ]
+        out.append(rec("ampfused", n, workload=w, question="diagnostics"))
+        out.append(
+            rec("ampfused-watch", 1.1 * n, workload=w, question="diagnostics", py_bytecodes=code)
+        )
+    derive(out)
     return out
-
-
-@pytest.mark.parametrize(("watch_ms", "passed"), [(22.0, True), (23.0, True), (23.2, False)])
-def test_bound_targets(watch_ms: float, passed: bool) -> None:
-    recs = bound_records(watch_ms) + count_records([900, 900, 900])
-    derive(recs)
-    results = targets.diagnostics_targets(recs)
-    assert [t.name for t in results] == [
-        "diagnostics gpt2-124m fp32",
-        "diagnostics 4 x 16M fp32",
-        "diagnostics host cost",
-    ]
-    for t in results[:2]:
-        assert t.passed is passed and t.value == f"{watch_ms / 20:.3f}x"
-        assert f"torch + per-layer norms / watched {40 / watch_ms:.2f}x" in t.detail
-        assert f"/ watched + grad_norms() {40 / (watch_ms + 0.5):.2f}x" in t.detail
 
 
 @pytest.mark.parametrize(
-    ("code", "passed"),
+    ("watch_ms", "code", "passed"),
     [
-        ([900, 900, 900], True),
-        ([900, 901, 950], True),  # a handful more, not one per parameter
-        ([1000, 1900, 3900], False),  # one bytecode per tensor
+        (22.0, [900, 900, 900], [True, True, True]),
+        (23.0, [900, 901, 950], [True, True, True]),  # a handful more, not one per parameter
+        (23.2, [1000, 1900, 3900], [False, False, False]),  # one bytecode per tensor
+        (22.0, [900, 1100, 1500], [True, True, False]),  # one per five tensors
     ],
 )
-def test_host_cost_target(code: list[int], passed: bool) -> None:
-    t = targets.diagnostics_targets(count_records(code))[-1]
-    assert t.passed is passed
-    assert t.value == " / ".join(map(str, code))
-    assert "watched / plain time 1.10x / 1.10x / 1.10x" in t.detail
+def test_targets(watch_ms: float, code: list[int], passed: list[bool]) -> None:
+    results = targets.diagnostics_targets(records(watch_ms, code))
+    assert [t.passed for t in results] == passed
+    names = ["diagnostics gpt2-124m fp32", "diagnostics 4 x 16M fp32", "diagnostics host cost"]
+    assert [t.name for t in results] == names
+    assert results[0].value == f"{watch_ms / 20:.3f}x"
+    assert f"torch + per-layer norms / watched {40 / watch_ms:.2f}x" in results[0].detail
+    assert f"/ watched + grad_norms() {40 / (watch_ms + 0.5):.2f}x" in results[0].detail
+    assert results[2].value == " / ".join(map(str, code))
+    assert "watched / plain time 1.10x / 1.10x / 1.10x" in results[2].detail
+    assert [t.passed for t in targets.diagnostics_targets(records(21.0, code)[:2])] == [None] * 3
 
 
-def test_targets_not_measured() -> None:
-    results = targets.diagnostics_targets([rec("gpt2-124m", "ampfused", 1.0)])
-    assert [t.passed for t in results] == [None, None, None]
-
-
-# --------------------------------------------------------------------------- the suite
-def test_suite_runs_the_question(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake(run: suite_main.Run, q: str) -> None:
-        recs = bound_records(21.0) + count_records([900, 900, 900])
-        derive(recs)
-        run.records += recs
-
-    monkeypatch.setattr(suite_main, "run_question", fake)
+def test_suite_prints_the_question(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        suite_main, "run_question", lambda run, q: run.records.extend(records(21.0, [900] * 3))
+    )
     argv = ["--only", "diagnostics", "--device", "cpu", "--no-progress", "--no-plots"]
     assert suite_main.main([*argv, "--out", str(tmp_path)]) == 0
     md = (tmp_path / "results.md").read_text()

@@ -1,9 +1,5 @@
 """The distributed question: two processes time every method in lock-step and the suite writes
-their rows; the collective methods run only inside it; a run that does not finish in time is
-reported and its processes killed.
-
-    python -m pytest benchmarks/tests -q
-"""
+their rows; the collective methods run only inside it; ranks past the deadline are killed."""
 
 from __future__ import annotations
 
@@ -34,23 +30,15 @@ TINY = (
 ROUNDS = 3
 # Exactly ROUNDS rounds: both ranks stop together because rank 0 decides for both.
 FIXED = TimingConfig(warmup=1, min_rounds=ROUNDS, enough_rounds=ROUNDS, max_wall_s=5.0)
-COLLECTIVE = (
-    "ampfused-dist",
-    "torch-dist",
-    "ampfused-group",
-    "ampfused-fsdp2",
-    "torch-fsdp2",
-    "floor-allreduce",
-)
+COLLECTIVE = ("ampfused-dist", "torch-dist", "ampfused-group", "ampfused-fsdp2", "torch-fsdp2")
+COLLECTIVE += ("floor-allreduce",)
 
 
 def test_suite_runs_the_question_in_two_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--only distributed --quick`` on tiny sets: every method of the question has ROUNDS
-    samples of positive time on rank 0 (rank 1's median in the note), the collective methods
-    run the all-reduce (one dispatcher op more than the same scaler without it), and
-    results.md and results.jsonl hold the rows."""
+    """``--only distributed --quick`` on tiny sets: every method has ROUNDS samples on rank 0,
+    the collective methods run the all-reduce, and results.md and results.jsonl hold the rows."""
     monkeypatch.setattr(distributed, "WORKLOADS", TINY)
     monkeypatch.setattr(distributed, "QUICK_TIMING", FIXED)
     argv = ["--only", "distributed", "--quick", "--device", "cpu", "--no-progress", "--no-plots"]
@@ -97,11 +85,9 @@ def test_collective_methods_only_in_the_question() -> None:
 
 
 def test_ranks_that_miss_the_deadline_are_killed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks that would time steps for a minute, and a deadline shorter than they take to
-    start: every record is an error that says so, within seconds, and no rank is left
-    running."""
+    """Ranks that would time steps for a minute, a deadline before they start: every record an
+    error that says so, within seconds, no rank left running."""
     minute = TimingConfig(warmup=1, min_rounds=10**6, max_wall_s=60.0)
-    # The parent's deadline: start + START_TIMEOUT_S + max_wall_s + WORKLOAD_SLACK_S = start.
     monkeypatch.setattr(distributed, "START_TIMEOUT_S", -60.0)
     monkeypatch.setattr(distributed, "WORKLOAD_SLACK_S", 0.0)
     ctx = Context(device=CPU, timing=QUICK_TIMING, methods=[], quick=True, profile=False)

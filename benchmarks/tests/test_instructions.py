@@ -1,14 +1,11 @@
-"""The instruction-count mode's bookkeeping (benchmarks/instructions.py): reading a callgrind
-dump by object file, naming layers, the targets.  The counters themselves need a CPU counter or
-valgrind; `python -m benchmarks.instructions` runs them."""
+"""benchmarks/instructions.py's bookkeeping: a callgrind dump by object file, layers, targets
+(the counters themselves need a CPU counter or valgrind)."""
 
 from __future__ import annotations
 
 from benchmarks import instructions as ins
 
-# A callgrind dump in its compressed form: names defined once as "(id) name" in ob= or cob=
-# lines and referred to by id after; a call's cost line (after calls=) is the callee's inclusive
-# cost, which the callee's own lines already count.
+# Compressed names ("(id) name" once, then "(id)"); a cost line after calls= is the callee's.
 DUMP = """\
 version: 1
 creator: callgrind-3.19.0
@@ -67,12 +64,7 @@ def test_targets():
     def row(workload, tensors, method, total):
         return ins.Row(workload, tensors, method, {"unscale_": total, "step": 0, "update": 0})
 
-    rows = [
-        row("1 x 16", 1, "ampfused", 90),
-        row("1 x 16", 1, "torch", 300),
-        row("3000 x 16", 3000, "ampfused", 51),
-        row("3000 x 16", 3000, "torch", 1000),
-    ]
-    (fixed, per_tensor) = ins.targets(rows)
-    assert fixed[1:] == ("0.300", True)
-    assert per_tensor[1:] == ("0.051", False)
+    rows = [row("1 x 16", 1, "ampfused", 90), row("1 x 16", 1, "torch", 300)]
+    rows += [row("3000 x 16", 3000, "ampfused", 51), row("3000 x 16", 3000, "torch", 1000)]
+    assert [t[1:] for t in ins.targets(rows)] == [("0.300", True), ("0.051", False)]
+    assert ins.table(rows, 7.0).splitlines()[2].split("|")[-2].strip() == "0.300"  # / torch

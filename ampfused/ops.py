@@ -199,8 +199,7 @@ def scaler_pass_(
             defines each value).
         The rest: as in :func:`unscale_update_scale_`.
     """
-    _call(
-        torch.ops.ampfused.scaler_pass_,
+    args = (
         grads,
         found_inf,
         state,
@@ -215,6 +214,8 @@ def scaler_pass_(
         check_only,
         accumulate,
     )
+    if is_compiling() or _C.scaler_pass_(*args) is not None:
+        _call(torch.ops.ampfused.scaler_pass_, *args)
 
 
 def scaler_update_(

@@ -203,6 +203,15 @@ bool load(PyObject* o, GradList& out) {
   }
   return true;
 }
+bool load(PyObject* o, std::optional<at::Tensor>& out) {
+  if (o == Py_None) {
+    out = std::nullopt;
+    return true;
+  }
+  if (!THPVariable_CheckExact(o)) return false;
+  out = THPVariable_Unpack(o);
+  return true;
+}
 bool load(PyObject* o, double& out) {
   if (!PyFloat_CheckExact(o)) return false;
   out = PyFloat_AS_DOUBLE(o);
@@ -271,6 +280,10 @@ PyMethodDef eager_calls[] = {
      reinterpret_cast<PyCFunction>(
          reinterpret_cast<void (*)()>(&EagerCall<ops::unscale_update_scale_>::call)),
      METH_FASTCALL, "ampfused.ops.unscale_update_scale_'s eager path"},
+    {"scaler_pass_",
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)()>(&EagerCall<ops::scaler_pass_>::call)),
+     METH_FASTCALL, "ampfused.ops.scaler_pass_'s eager path (also activation tracing's)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

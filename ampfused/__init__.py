@@ -13,11 +13,13 @@ Which file holds what, from the top down (a module imports only modules below it
     grad_scaler          GradScaler: the protocol (unscale_, step, update, the stages)
     _no_kernels          GradScaler and friends where no kernels could be had
     _clip, diagnostics   fused unscale + clip; watch() and its reports
+    activations          activation tracing (watch(activations=...)): where an overflow starts
     _grad_pass           the pass: which route gradients take, the agreement across ranks
     master_weights       MasterWeights: float32 masters for float16/bfloat16 models
     _scale_state         the scale's state and policy, pending update, checkpoints, checks
     _dist, ops           torch.distributed's part; the ops' typed wrappers
     reference            the ops' pure-PyTorch specification
+    islands              keep_float32: chosen modules run in float32
     _compile             how the scaler's methods meet torch.compile
     _torch_private       the private torch names relied on, and why
     _extension           where the kernels come from (_build_config, _build_check: the build)
@@ -27,6 +29,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from ampfused import _extension
 from ampfused._extension import KernelsUnavailableError, KernelsUnavailableWarning
+from ampfused.islands import keep_float32  # (no kernels needed)
 
 _C = _extension.load()  # registers torch.ops.ampfused.*, or stands in for them
 KERNELS: bool = _extension.STATUS.available
@@ -45,6 +48,7 @@ WITH_CUDA: bool = bool(_C.with_cuda)
 __all__ = [
     "GradScaler",
     "MasterWeights",
+    "keep_float32",
     "ShardedGradScaler",
     "OptState",
     "reference",

@@ -119,13 +119,12 @@ def found_inf(
                 "ampfused.GradScaler itself with MasterWeights"
             )
         if watch is not None:
-            watch.not_covered("a MasterWeights optimizer's pass", caller_depth)
+            _masters_statistics(scaler, optimizer, watch, caller_depth)
         # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
         # casts them unscaled, for an optimizer that divides by the scale itself).
         inv = torch.ones((), dtype=torch.float32, device=scale.device)
         if not check_only:
             inv = inv_scale(scaler)
-        # (this pass records no statistics: the tables of earlier passes keep their verdict)
         return agree(scaler, optimizer._grads_to_masters(inv), (), first_table)
     if hooked:
         return None
@@ -178,6 +177,35 @@ def found_inf(
             if tables is not None and not mesh_plan:  # (sharded: the norm needs every rank)
                 tables.append((stats, positions, groups))
     return agree(scaler, found, mesh_plan, first_table)
+
+
+def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: int) -> None:
+    """Under watch(), the statistics of a MasterWeights optimizer's float16 gradients, unscaled,
+    by the model's parameters (the ones watch() names): a read-only pass before the masters'
+    own (which casts and unscales and records nothing), writing only its table."""
+    scale, tracker, state = scaler._scale, scaler._growth_tracker, scaler._scale_state
+    groups = [{"params": optimizer.model_params}]
+    scratch = torch.empty_like(state.pending_buffer(scale.device))  # (its update: unused)
+    result = _C.fused_pass(
+        groups,
+        state.pass_input(scale, tracker),
+        scratch,
+        2.0,  # (the factors and the policy make only the unused update)
+        0.5,
+        1,
+        *state.kernel_policy,
+        True,  # check_only
+        False,
+        True,  # allow_fp16: float16 gradients are what the masters' pass reads
+        True,  # statistics
+        _dist.dtensor_unwrap(),
+    )
+    if result is None:
+        watch.not_covered("torch's own unscale path", caller_depth + 1)
+        return
+    for _, _, stats, positions in result:
+        if stats is not None:
+            watch.now.append((stats, positions, groups))
 
 
 def agree(scaler: Any, found: Found, mesh_plan: Any, first_table: int, plan_done: int = 0) -> Found:

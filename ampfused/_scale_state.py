@@ -631,7 +631,7 @@ class ScaleState:
         """at_min_scale's "warn" or "raise", for an update that held a backoff at min_scale."""
         counts = self.counters()
         message = (
-            f"GradScaler: the gradients of step {counts['steps']} had inf/NaN (the optimizer "
+            f"GradScaler: the gradients of step {counts['steps'] - 1} had inf/NaN (the optimizer "
             f"step was skipped) and the scale's backoff is held at min_scale={self.min_scale!r}:"
             f" the scale is {scale!r}, floor hit number {counts['floor_hits']}.  "
             "Gradients that overflow "

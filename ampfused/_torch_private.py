@@ -74,6 +74,13 @@ def compiled_region_active() -> bool:
     return callback is not None and callback is not False
 
 
+# The id of the backward pass autograd's engine is running on this thread, -1 outside one: a
+# module's forward that runs inside one is activation checkpointing's recomputation (the tracer
+# in ampfused/activations.py reads it per module call).  torch._C._current_graph_task_id, torch
+# 1.13+.
+current_graph_task_id = torch._C._current_graph_task_id
+
+
 # The attributes of a DTensor holding its local shard and its spec (a DTensorSpec, whose
 # ``mesh`` and ``placements`` are public): what ``to_local()`` and ``device_mesh``/``placements``
 # return, read by the C++ walk (grad_gather.cpp) for every DTensor gradient of every step (FSDP2,
@@ -87,6 +94,7 @@ __all__ = [
     "OptState",
     "amp_update_scale_",
     "compiled_region_active",
+    "current_graph_task_id",
     "DTENSOR_LOCAL_ATTR",
     "DTENSOR_SPEC_ATTR",
     "mark_not_traced",

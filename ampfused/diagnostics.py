@@ -21,11 +21,13 @@ import torch
 
 from ampfused import _C
 from ampfused._grad_pass import flat_params
+from ampfused.activations import Row, Tracer
 
-__all__ = ["GradStats", "StepReport"]
+__all__ = ["ActivationStats", "GradStats", "StepReport"]
 
 _LOG = logging.getLogger("ampfused")
 _LOG_SKIPPED = (False, "log", "warn")
+_LISTED = 5  # parameter offenders printed under a traced origin (all are in report.offenders)
 
 # (statistics table, [position, numel] per gradient, the param_groups the positions index)
 Table = tuple[torch.Tensor, torch.Tensor, Any]
@@ -72,6 +74,61 @@ class GradStats:
 
 
 @dataclass(frozen=True)
+class ActivationStats:
+    """One module call's outputs (forward) or their gradients (backward), as recorded.
+
+    Attributes:
+        module: the module's qualified name in the watched model ("" for the model itself).
+        call: which call of the module in the iteration (0 for the first).
+        direction: ``"forward"`` (the outputs) or ``"backward"`` (the gradients with respect to
+            them, scaled by the loss scale, as backward computes them).
+        abs_max: largest magnitude among the finite elements (0.0 if none).
+        pos_inf, neg_inf, nan: elements that were +inf, -inf, NaN.
+        numel: elements recorded (every floating tensor of the output together).
+        dtype: the dtype of the outputs (the widest, when they differ).
+        recompute: a forward call that activation checkpointing re-ran during backward.
+        inputs_finite: (forward) its floating inputs held no inf/NaN; a module whose inputs did
+            was not where the overflow started.
+    """
+
+    module: str
+    call: int
+    direction: str
+    abs_max: float
+    pos_inf: int
+    neg_inf: int
+    nan: int
+    numel: int
+    dtype: torch.dtype
+    recompute: bool = False
+    inputs_finite: bool = True
+
+    @property
+    def non_finite(self) -> int:
+        return self.pos_inf + self.neg_inf + self.nan
+
+    @property
+    def headroom(self) -> float:
+        """abs_max as a fraction of the dtype's largest value (1.0: at the edge of overflow)."""
+        return self.abs_max / torch.finfo(self.dtype).max
+
+    def describe(self) -> str:
+        kinds = [
+            f"{n} {kind}"
+            for n, kind in ((self.pos_inf, "+inf"), (self.neg_inf, "-inf"), (self.nan, "NaN"))
+            if n
+        ]
+        what = "output" if self.direction == "forward" else "output gradient"
+        call = f" (call {self.call})" if self.call else ""
+        found = ", ".join(kinds) if kinds else "finite"
+        return (
+            f"{self.module or '<model>'}{call} {what}: {found} of {self.numel} "
+            f"{str(self.dtype).removeprefix('torch.')} elements (largest finite |x| "
+            f"{self.abs_max:.4g}, {self.headroom:.1%} of the dtype's range)"
+        )
+
+
+@dataclass(frozen=True)
 class StepReport:
     """The last iteration's gradients, as :meth:`GradScaler.report` returns them.
 
@@ -87,6 +144,8 @@ class StepReport:
         total_norm: L2 norm over all those gradients, float32.
         rank: this process's rank in torch.distributed's default group when it is
             initialized (every line of ``str(report)`` then starts with it), else None.
+        activations: with ``watch(model, activations=True)``: every traced module call, forward
+            rows in forward execution order, then backward rows in backward execution order.
     """
 
     step: int
@@ -95,6 +154,43 @@ class StepReport:
     grads: list[GradStats] = field(repr=False)
     total_norm: float
     rank: int | None = None
+    activations: list[ActivationStats] = field(default_factory=list, repr=False)
+
+    @property
+    def forward_origin(self) -> ActivationStats | None:
+        """The first module, in forward execution order, whose output held inf/NaN (calls re-run
+        by activation checkpointing left out): where a forward overflow started."""
+        rows = [a for a in self._rows("forward") if a.non_finite]
+        # The first that made inf/NaN from finite inputs; else (it started in code between the
+        # traced modules) the first that held any.
+        return next((a for a in rows if a.inputs_finite), rows[0] if rows else None)
+
+    @property
+    def backward_origin(self) -> ActivationStats | None:
+        """The first module, in backward execution order, whose output gradient held inf/NaN."""
+        return next((a for a in self._rows("backward") if a.non_finite), None)
+
+    @property
+    def backward_producer(self) -> str | None:
+        """The module whose backward computed the backward origin's gradient, as far as the
+        trace tells: the traced module whose backward ran just before (in a chain of modules,
+        the one that consumed the origin's output).  None without a backward origin, or when it
+        was the first backward row."""
+        rows = self._rows("backward")
+        origin = self.backward_origin
+        if origin is None:
+            return None
+        i = rows.index(origin)
+        return rows[i - 1].module if i > 0 else None
+
+    def closest_to_overflow(self, n: int = 5) -> list[ActivationStats]:
+        """The n traced module calls whose largest finite magnitude came closest to their
+        dtype's largest value (65,504 for float16; for gradients the scaled magnitude)."""
+        rows = [a for a in self.activations if not a.recompute]
+        return sorted(rows, key=lambda a: a.headroom, reverse=True)[:n]
+
+    def _rows(self, direction: str) -> list[ActivationStats]:
+        return [a for a in self.activations if a.direction == direction and not a.recompute]
 
     @property
     def offenders(self) -> list[GradStats]:
@@ -107,7 +203,19 @@ class StepReport:
             f"ampfused step {self.step}{where}: scale {self.scale:g}, "
             f"total grad norm {self.total_norm:.4g}"
         )
+        origin = self._origin_lines()
         bad = self.offenders
+        if origin:
+            lines = [f"{head}, step {'skipped' if self.skipped else 'taken'}", *origin]
+            if bad:
+                lines.append(
+                    f"  parameter gradients with inf/NaN ({len(bad)} of {len(self.grads)}), "
+                    "where it ended up:"
+                )
+                lines += [f"    {g.describe()}" for g in bad[:_LISTED]]
+                if len(bad) > _LISTED:
+                    lines.append(f"    ... {len(bad) - _LISTED} more (report.offenders)")
+            return "\n".join(lines)
         if not bad:
             if self.skipped:  # the agreed verdict: another rank's gradients held inf/NaN
                 return (
@@ -121,6 +229,35 @@ class StepReport:
         ]
         lines += [f"  {g.describe()}" for g in bad]
         return "\n".join(lines)
+
+    def _origin_lines(self) -> list[str]:
+        """Where the overflow started, and the float32 island that would keep it finite; with
+        no overflow traced, the module calls closest to one."""
+        if not self.activations:
+            return []
+        forward, backward = self.forward_origin, self.backward_origin
+        lines = []
+        if forward is not None:
+            lines.append(f"  overflow started in forward: {forward.describe()}")
+            if not forward.inputs_finite:
+                where = forward.module.rpartition(".")[0] or "<model>"
+                lines.append(
+                    f"    its inputs already held inf/NaN: it started in code of {where} that "
+                    "no traced module covers"
+                )
+        if backward is not None:
+            producer = self.backward_producer
+            by = (
+                "" if producer is None else f", computed in the backward of {producer or '<model>'}"
+            )
+            lines.append(f"  overflow started in backward: {backward.describe()}{by}")
+        start = forward or backward
+        if start is None:
+            lines.append("  no traced activation held inf/NaN; closest to overflow:")
+            return lines + [f"    {a.describe()}" for a in self.closest_to_overflow(3)]
+        island = start.module if start.inputs_finite else start.module.rpartition(".")[0]
+        lines.append(f"  to run it in float32: ampfused.keep_float32(model, [{island!r}])")
+        return lines
 
     def grad_norms(self, group_separator: str = "/") -> dict[str, float]:
         """Per-parameter and total L2 norms keyed as Lightning's ``grad_norm`` keys them."""
@@ -197,6 +334,7 @@ def build_report(
     passes: list[tuple[torch.Tensor, torch.Tensor, list]],
     names: dict[int, str],
     order: dict[int, int],
+    activations: list[ActivationStats] | None = None,
 ) -> StepReport:
     """Reduces the iteration's tables into a report: one (grad_stats, [position, numel] per
     gradient, the optimizer's flat parameter list the positions index) per pass and device.
@@ -206,7 +344,40 @@ def build_report(
         GradStats(name, norm, row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]), numel)
         for name, norm, row, numel in zip(r.names, r.norms, r.rows.tolist(), r.numels, strict=True)
     ]
-    return StepReport(r.step, r.scale, r.skipped, grads, r.total_norm, _rank())
+    return StepReport(r.step, r.scale, r.skipped, grads, r.total_norm, _rank(), activations or [])
+
+
+def read_activations(rows: Iterable[Row]) -> list[ActivationStats]:
+    """The rows reduced on the host (one copy per device), merged per (module, call,
+    direction) in the order each first ran."""
+    rows = list(rows)
+    if not rows:
+        return []
+    host = _to_host([r[4][1:] for r in rows])  # (without the header row)
+    merged: dict[tuple[str, int, str, bool], list] = {}
+    for row, items in zip(rows, host, strict=True):
+        name, call, direction, recompute, _, numel, dtype, input_rows = row
+        inputs_bad = bool(items[:input_rows, 2:5].sum() > 0)
+        items = items[input_rows:]
+        abs_max = float(items[:, 1].max()) if len(items) else 0.0
+        counts = items[:, 2:5].sum(dim=0).tolist() if len(items) else [0.0, 0.0, 0.0]
+        key = (name, call, direction, recompute)
+        entry = merged.get(key)
+        if entry is None:
+            merged[key] = [abs_max, *counts, numel, dtype, not inputs_bad]
+        else:
+            entry[0] = max(entry[0], abs_max)
+            entry[1:4] = [a + b for a, b in zip(entry[1:4], counts, strict=True)]
+            entry[4] += numel
+            if torch.finfo(dtype).max > torch.finfo(entry[5]).max:
+                entry[5] = dtype
+            entry[6] = entry[6] and not inputs_bad
+    return [
+        ActivationStats(
+            name, call, direction, v[0], int(v[1]), int(v[2]), int(v[3]), v[4], v[5], rc, v[6]
+        )
+        for (name, call, direction, rc), v in merged.items()
+    ]
 
 
 def _rank() -> int | None:
@@ -233,15 +404,30 @@ class Watch:
     kept, so an identity is never reused while watched) and the statistics tables of this
     iteration's passes (``now``) and of the last completed iteration (``last``)."""
 
-    __slots__ = ("names", "order", "params", "log_skipped", "warned", "now", "last")
+    __slots__ = (
+        "names",
+        "order",
+        "params",
+        "log_skipped",
+        "warned",
+        "now",
+        "last",
+        "tracer",
+        "begun",
+    )
 
     def __init__(
-        self, parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], log_skipped: Any
+        self,
+        parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        log_skipped: Any,
+        activations: Any = False,
     ) -> None:
         if log_skipped not in _LOG_SKIPPED:
             raise ValueError(
                 f"watch: log_skipped must be False, 'log' or 'warn', got {log_skipped!r}"
             )
+        # (made first: its checks raise before anything is kept)
+        self.tracer = None if activations is False else Tracer(parameters, activations)
         if isinstance(parameters, torch.nn.Module):
             parameters = parameters.named_parameters()
         self.names: dict[int, str] = {}
@@ -266,6 +452,9 @@ class Watch:
         self.warned = False
         self.now: list[Table] = []
         self.last: list[Table] = []
+        # scale() ran since the last update(): this iteration has begun, and until its pass the
+        # tables at hand are the last iteration's (reading them then is refused).
+        self.begun = False
 
     def not_covered(self, path: str, caller_depth: int = 0) -> None:
         """Warns once that some gradients went through a path that records no statistics."""
@@ -273,23 +462,50 @@ class Watch:
             self.warned = True
             warnings.warn(
                 f"ampfused GradScaler.watch: some gradients went through {path} (tensor "
-                "subclasses other than DTensor, a device without ampfused kernels, a subclass "
-                "overriding _unscale_grads_, or MasterWeights), which records no statistics: "
+                "subclasses other than DTensor, a device without ampfused kernels, or a "
+                "subclass overriding _unscale_grads_), which records no statistics: "
                 "report() and grad_norms() do not cover that optimizer's gradients",
                 RuntimeWarning,
                 stacklevel=4 + caller_depth,
             )
 
-    def _passes(self) -> list[tuple[torch.Tensor, torch.Tensor, list]]:
-        """The current iteration's tables, or else the last one's, with flat parameter lists."""
+    def _passes(self, method: str) -> list[tuple[torch.Tensor, torch.Tensor, list]]:
+        """The current iteration's tables, or else the last one's, with flat parameter lists;
+        refused between this iteration's scale() and its pass, where they would be the last
+        iteration's figures read as this one's."""
+        if self.begun and not self.now:
+            raise RuntimeError(
+                f"{method}() was called after scaler.scale(loss) and before this iteration's "
+                "pass, so the statistics at hand are the last iteration's.  Call it after "
+                "scaler.unscale_(optimizer) or scaler.step(optimizer) for this iteration's, or "
+                "before scaler.scale(loss) for the last one's (report().step says which "
+                "iteration a report is).  (If the pass ran, its gradients took a path that "
+                "records no statistics: see the warning watch() gave.)"
+            )
         return [(t, pn, flat_params(groups)) for t, pn, groups in self.now or self.last]
 
     def report(self) -> StepReport | None:
-        passes = self._passes()
-        return build_report(passes, self.names, self.order) if passes else None
+        passes = self._passes("report")
+        if not passes:
+            return None
+        activations = None
+        if self.tracer is not None:  # the same iteration as the parameters' tables
+            activations = read_activations(self.tracer.now if self.now else self.tracer.last)
+        return build_report(passes, self.names, self.order, activations)
+
+    def report_activations(self) -> list[ActivationStats]:
+        """The traced rows of the current iteration so far, or else of the last one."""
+        if self.tracer is None:
+            return []
+        return read_activations(self.tracer.now or self.tracer.last)
+
+    def remove(self) -> None:
+        """unwatch(): the tracing hooks removed."""
+        if self.tracer is not None:
+            self.tracer.remove()
 
     def grad_norms(self, group_separator: str) -> dict[str, float]:
-        passes = self._passes()
+        passes = self._passes("grad_norms")
         if not passes:
             return {}
         return grad_norms(passes, self.names, self.order, group_separator)
@@ -298,6 +514,9 @@ class Watch:
         """At update(): this iteration's tables become the last iteration's; a skipped step is
         reported when watch(log_skipped=...) asked for it."""
         self.last, self.now = self.now, []
+        self.begun = False
+        if self.tracer is not None:
+            self.tracer.close_iteration()
         if not self.log_skipped or not self.last:
             return
         report = self.report()

@@ -316,6 +316,15 @@ class GradScaler(torch.amp.GradScaler):
         """What a backoff held at min_scale does: "clamp", "warn" or "raise"."""
         return self._scale_state.at_min_scale
 
+    @not_traced
+    def scale(self, outputs: Any) -> Any:
+        """torch's ``scale()``; under :meth:`watch` it also marks the iteration as begun, so
+        that :meth:`report` and :meth:`grad_norms` refuse to read the last iteration's figures
+        as this one's before this iteration's pass."""
+        if self._watch is not None:
+            self._watch.begun = True
+        return super().scale(outputs)
+
     # ----------------------------------------------------------------------------- state
     @not_traced_eager
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -700,6 +709,7 @@ class GradScaler(torch.amp.GradScaler):
         parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
         *,
         log_skipped: bool | str = False,
+        activations: bool | Iterable[str | type] = False,
     ) -> GradScaler:
         """Opt in to per-parameter statistics, recorded by the pass that unscales.
 
@@ -715,19 +725,30 @@ class GradScaler(torch.amp.GradScaler):
             log_skipped: also report every skipped step: ``"log"`` (``logging`` warning on the
                 ``"ampfused"`` logger), ``"warn"`` (``warnings.warn``) or False.  Either costs a
                 sync in every :meth:`update` (to learn whether the step was skipped).
+            activations: also trace activations, to find the module where an overflow started
+                (:mod:`ampfused.activations`): True for every leaf module of ``parameters`` (a
+                module), or module names (as ``named_modules()`` gives them) and module types.
+                Each call of a traced module records the statistics of its floating outputs
+                and, in backward, of their gradients, on the device and without a sync;
+                :meth:`report` then names the origin (``report.forward_origin``,
+                ``report.backward_origin``).  False (the default) registers no hook.
 
         Returns:
             self, so ``scaler = GradScaler("cuda").watch(model)`` works.
         """
-        watch = Watch(parameters, log_skipped)
+        watch = Watch(parameters, log_skipped, activations)
         if self._watch is not None:  # (the statistics recorded so far stay readable)
             watch.now, watch.last = self._watch.now, self._watch.last
+            self._watch.remove()  # (its tracing hooks)
         self._watch = watch
         return self
 
     @not_traced_eager
     def unwatch(self) -> None:
-        """Stop recording statistics: the pass goes back to doing only what torch's does."""
+        """Stop recording statistics (every tracing hook removed): the pass goes back to doing
+        only what torch's does."""
+        if self._watch is not None:
+            self._watch.remove()
         self._watch = None
 
     @not_traced_eager
@@ -736,10 +757,14 @@ class GradScaler(torch.amp.GradScaler):
         :meth:`update`) or else of the last completed iteration, by parameter name; None before
         any pass under :meth:`watch`.  Syncs: one device-to-host copy per device.
 
-        ``print(report)`` lists the gradients that held inf/NaN, first offender first;
-        ``report.grads`` holds every parameter's :class:`ampfused.diagnostics.GradStats`.
+        ``print(report)`` names where an overflow started (with ``watch(activations=...)``),
+        then the gradients that held inf/NaN, first offender first; ``report.grads`` holds
+        every parameter's :class:`ampfused.diagnostics.GradStats`.
+
+        Raises:
+            RuntimeError: without :meth:`watch`, as :meth:`grad_norms`.
         """
-        return None if self._watch is None else self._watch.report()
+        return self._watching("report").report()
 
     @not_traced_eager
     def grad_norms(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
@@ -754,12 +779,15 @@ class GradScaler(torch.amp.GradScaler):
                 f"norm_type={norm_type!r}; for other norms use torch.linalg.vector_norm on the "
                 "gradients after scaler.unscale_(optimizer)"
             )
+        return self._watching("grad_norms").grad_norms(group_separator)
+
+    def _watching(self, method: str) -> Watch:
         if self._watch is None:
             raise RuntimeError(
-                "grad_norms() needs per-parameter statistics: call scaler.watch(model) once "
+                f"{method}() needs per-parameter statistics: call scaler.watch(model) once "
                 "before training"
             )
-        return self._watch.grad_norms(group_separator)
+        return self._watch
 
     @not_traced_eager
     def step_skipped_tensor(self) -> torch.Tensor:

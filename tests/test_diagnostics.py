@@ -10,9 +10,11 @@ step are checked on runs where the answer is known.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -221,12 +223,15 @@ def test_without_watch_nothing_is_recorded() -> None:
     scaler = ampfused.GradScaler("cpu")
     _backward(model, scaler, "cpu", torch.float32)
     scaler.unscale_(opt)
-    assert scaler.report() is None and scaler._watch is None
-    with pytest.raises(RuntimeError, match="watch"):
-        scaler.grad_norms()
+    assert scaler._watch is None
+    # Without watch() both readers refuse the same way (report() used to return None).
+    for read in (scaler.report, scaler.grad_norms):
+        with pytest.raises(RuntimeError, match=r"needs per-parameter statistics.*scaler.watch"):
+            read()
     scaler.watch(model)
     scaler.unwatch()
-    assert scaler.report() is None
+    with pytest.raises(RuntimeError, match="watch"):
+        scaler.report()
 
 
 def test_parameters_not_watched_are_numbered() -> None:
@@ -381,3 +386,63 @@ def test_not_covered_warning_points_at_the_callers_line(call: str) -> None:
         line = sys._getframe().f_lineno + 1
         scaler.unscale_(opt) if call == "unscale_" else scaler.clip_grad_norm_(opt, 1.0)
     assert (record[0].filename, record[0].lineno) == (__file__, line)
+
+
+# ------------------------------------------------------------------------------- never mislead
+def test_master_weights_pass_records_the_float16_gradients() -> None:
+    """A .half() model with MasterWeights: report() and grad_norms() cover its gradients (the
+    unscaled float16 ones the masters' pass reads), with no warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
+    opt = ampfused.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = ampfused.GradScaler("cpu", init_scale=64.0).watch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(model(torch.randn(3, 4).half()).float().sum()).backward()
+        model[1].weight.grad[0, 0] = float("inf")
+        want = {
+            f"grad_2.0_norm/{n}": p.grad.double().div(64).norm().item()
+            for n, p in model.named_parameters()
+        }
+        scaler.step(opt)
+        report, norms = scaler.report(), scaler.grad_norms()
+    assert report.skipped and [g.name for g in report.offenders] == ["1.weight"]
+    assert norms.keys() - {"grad_2.0_norm_total"} == want.keys()
+    for key, value in want.items():
+        assert norms[key] == pytest.approx(value, rel=1e-6, nan_ok=True)
+    scaler.update()
+
+
+def test_reading_before_this_iterations_pass_is_refused() -> None:
+    model, opt, scaler = _setup("cpu")
+    _backward(model, scaler, "cpu", torch.float32)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.report().step == 0  # after update(): the last iteration, named
+    _backward(model, scaler, "cpu", torch.float32)  # iteration 1 begins at scale()
+    for read in (scaler.report, scaler.grad_norms):
+        with pytest.raises(RuntimeError, match=r"before this iteration's pass.*last iteration"):
+            read()
+    scaler.unscale_(opt)
+    assert scaler.report().step == 1 and scaler.grad_norms()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.report().step == 1
+
+
+def test_one_step_numbering_for_report_log_and_floor_warning() -> None:
+    """The skipped step the report names is the step the at_min_scale warning names."""
+    model, opt, _ = _setup("cpu")
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0, min_scale=2.0, at_min_scale="warn")
+    scaler.watch(model)
+    for step in range(3):
+        _backward(model, scaler, "cpu", torch.float32)
+        if step == 2:
+            model.head.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        expected = pytest.warns(UserWarning, match="of step 2 had inf/NaN")
+        with expected if step == 2 else contextlib.nullcontext():
+            scaler.update()
+        opt.zero_grad()
+    assert scaler.report().step == 2 and scaler.report().skipped
+    assert str(scaler.report()).startswith("ampfused step 2:")

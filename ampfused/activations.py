@@ -1,0 +1,179 @@
+"""Where an overflow started: activation tracing (``watch(model, activations=True)``).
+
+An fp16 overflow almost always starts in an activation (an attention score, a residual stream,
+the input of a softmax or a norm) in the forward pass, or in an activation gradient in the
+backward pass; parameter gradients are where it ends up.  Tracing records, for every call of a
+watched module, the statistics of each floating tensor in its output (forward) and of the
+gradient with respect to each of them (backward, scaled values: what overflows): the largest
+finite magnitude, the +inf, -inf and NaN counts, the zeros, the element count and the dtype.
+
+The statistics are written on the device by the scaler's own pass in its read-only form
+(``ops.scaler_pass_`` with ``check_only``, scale 1: nothing is written, no host sync), into a
+small table per module call and direction, kept in execution order until the report reads them
+(one device-to-host copy per device).  Host work per module call is constant in the size of
+the output.  A module called several times gets a row per call; the forward calls that
+activation checkpointing re-runs during backward are recorded as such (``recompute``) and never
+taken for an origin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from ampfused import _C, ops
+from ampfused._torch_private import current_graph_task_id
+from ampfused.islands import select_modules
+
+__all__ = ["Tracer", "floating_tensors"]
+
+# What the statistics kernel reads; other floating dtypes (float8) are not recorded.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (by range)
+_DEVICES = ("cpu", "cuda")
+# ops.scaler_pass_ without its wrapper (one call per module call): its eager entry point in _C
+# (~0.5 us, where torch.ops boxes every argument for ~4 us), else the op itself; and its
+# arguments after the table for a read-only pass (factors and policy make only the unused
+# update; check_only, no accumulation).
+_SCALER_PASS = torch.ops.ampfused.scaler_pass_.default
+_READ_ONLY = (2.0, 0.5, 1, float("-inf"), float("inf"), 1, True, False)
+_CHUNK, _FIELDS = ops.CHUNK_SIZE, len(ops.STAT_FIELDS)
+
+
+def _readable(t: torch.Tensor) -> bool:
+    return t.dtype in _DTYPES and (t.is_cpu or t.is_cuda) and t.layout == torch.strided
+
+
+def floating_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output the kernel can read: tensors, and those inside tuples,
+    lists, dicts and dataclasses (depth first, in order)."""
+    if isinstance(value, torch.Tensor):  # (the common case, first: this runs per module call)
+        return [value] if _readable(value) else []
+    found: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if _readable(v):
+                found.append(v)
+        elif isinstance(v, (tuple, list)):
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            stack.extend(reversed([getattr(v, f.name) for f in dataclasses.fields(v)]))
+    return found
+
+
+class _Scratch:
+    """Per device: the unit state (scale 1) the read-only pass reads, and what it writes that
+    nobody reads (the pending update, found_inf)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.state = torch.zeros(ops.STATE_SIZE, dtype=torch.int32, device=device)
+        self.state[0:1].view(torch.float32).fill_(1.0)
+        self.state[ops.STATE_FIELDS.index("hysteresis_left")] = 1
+        self.next = torch.empty_like(self.state)
+        self.found = torch.zeros((), dtype=torch.float32, device=device)
+
+
+# (module name, call, direction, recompute, statistics table (the inputs' item rows first, then
+# the outputs'), the outputs' numel, their dtype, the inputs' item rows): what
+# diagnostics.read_activations reduces.
+Row = tuple[str, int, str, bool, torch.Tensor, int, torch.dtype, int]
+
+
+class Tracer:
+    """The hooks on the traced modules and the tables they recorded: ``now`` (this iteration)
+    and ``last`` (the last completed one)."""
+
+    def __init__(self, model: Any, which: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                "watch: activations=... traces the modules of a model: pass the torch.nn.Module "
+                f"itself as parameters, not {type(model).__name__}"
+            )
+        self.now: list[Row] = []
+        self.last: list[Row] = []
+        self._calls: dict[str, int] = {}
+        self._scratch: dict[torch.device, _Scratch] = {}
+        self._handles = [
+            module.register_forward_hook(functools.partial(self._forward, name), with_kwargs=True)
+            for name, module in select_modules(model, which, "watch: activations")
+        ]
+
+    def remove(self) -> None:
+        """Removes every hook (backward hooks already set on this iteration's outputs record
+        nothing more)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def close_iteration(self) -> None:
+        self.last, self.now = self.now, []
+        self._calls = {}
+
+    # -- hooks
+    def _forward(self, name: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._handles:
+            return
+        tensors = floating_tensors(output)
+        if not tensors:
+            return
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        # Its inputs too, in the same launch: a module whose inputs already held inf/NaN did
+        # not start the overflow.  Only those on the differentiable path when some are (not
+        # masks, which may hold -inf on purpose).
+        inputs = floating_tensors(args[0] if len(args) == 1 and not kwargs else (args, kwargs))
+        if len(inputs) > 1 and any(t.requires_grad for t in inputs):
+            inputs = [t for t in inputs if t.requires_grad]
+        self._record(name, call, "forward", current_graph_task_id() != -1, tensors, inputs)
+        if torch.is_grad_enabled():
+            hook = functools.partial(self._backward, name, call)
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(hook)
+
+    def _backward(self, name: str, call: int, grad: torch.Tensor) -> None:
+        if self._handles and grad.dtype in _DTYPES and grad.layout == torch.strided:
+            self._record(name, call, "backward", False, [grad], [])
+
+    def _record(
+        self,
+        name: str,
+        call: int,
+        direction: str,
+        recompute: bool,
+        outs: list[torch.Tensor],
+        ins: list[torch.Tensor],
+    ) -> None:
+        out = outs[0]
+        device = out.device
+        if len(outs) == 1 and len(ins) <= 1:  # (most module calls: no generator, no loop)
+            if ins and ins[0].device != device:
+                ins = []
+            numel, dtype = out.numel(), out.dtype
+            input_rows = -(-ins[0].numel() // _CHUNK) if ins else 0  # (ops.grad_stats_rows)
+            rows = 1 + input_rows + -(-numel // _CHUNK)
+        else:
+            if any(t.device != device for t in outs):  # (rare: a row per device)
+                for t in outs:
+                    same = [i for i in ins if i.device == t.device]
+                    self._record(name, call, direction, recompute, [t], same)
+                return
+            ins = [t for t in ins if t.device == device]  # (inputs elsewhere: not compared)
+            numel = sum(t.numel() for t in outs)
+            dtype = max((t.dtype for t in outs), key=_DTYPES.index)  # (the widest range)
+            input_rows = sum(-(-t.numel() // _CHUNK) for t in ins)
+            rows = 1 + input_rows + sum(-(-t.numel() // _CHUNK) for t in outs)
+        scratch = self._scratch.get(device)
+        if scratch is None:
+            scratch = self._scratch[device] = _Scratch(device)
+        table = torch.empty((rows, _FIELDS), dtype=torch.float64, device=device)
+        args = (ins + outs, scratch.found, scratch.state, scratch.next, table, *_READ_ONLY)
+        if _C.scaler_pass_(*args) is not None:  # (NotImplemented: a subclass, a mode: torch.ops)
+            _SCALER_PASS(*args)
+        self.now.append((name, call, direction, recompute, table, numel, dtype, input_rows))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import compare, distributed, e2e, report
+from benchmarks import compare, distributed, e2e, report, tracing
 from benchmarks import targets as tg
 from benchmarks.env import REPO, RESULTS, CpuShare, default_device, device_slug, header, is_gpu
 from benchmarks.methods import COMPARED, METHODS, select
@@ -29,8 +29,9 @@ TITLES = {q.name: q.title for q in QUESTIONS.values()}
 TITLES["distributed"] = "Distributed: a step with found_inf all-reduced across 2 CPU processes"
 TITLES["e2e"] = "End-to-end: small GPT, float16 autocast, each scaler"
 TITLES["instructions"] = "Host cost in instructions per call (torch on one thread)"
+TITLES["tracing"] = "Activation tracing: a GPT-2 step (forward, backward, scaler) traced or not"
 ORDER = ("step_cost", "diagnostics", "clip", "masters", "distributed", "models", "counts")
-ORDER += ("sizes", "e2e", "instructions")
+ORDER += ("sizes", "e2e", "tracing", "instructions")
 DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 
 DESCRIPTION = """\
@@ -183,6 +184,8 @@ def run_question(run: Run, q: str) -> None:
         run.records += distributed.run(run.ctx)
     elif q == "e2e":
         run.e2e = e2e.run(run.ctx)
+    elif q == "tracing":
+        run.records += tracing.run(run.ctx)
     elif q == "instructions":  # a process of its own: it may re-run itself under callgrind
         cmd = [sys.executable, "-m", "benchmarks.instructions", "--out", str(run.out)]
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -196,6 +199,7 @@ def run_questions(run: Run) -> None:
     """Each question under one progress bar, timed with the CPU share others took meanwhile; a
     question that raises is reported and the next one runs."""
     sizes = {"distributed": len(distributed.WORKLOADS), "instructions": 1}
+    sizes["tracing"] = len(tracing.MODELS)
     sizes["e2e"] = e2e.preset(run.device, run.args.quick).steps
     total = sum(len(run.plan[q]) if q in run.plan else sizes[q] for q in run.questions)
     h = run.hdr

@@ -244,4 +244,8 @@ def render(q: str, records: list[Record], gpu: bool, tablefmt: str = "simple") -
         from benchmarks.distributed import table as distributed_table
 
         return distributed_table(records, tablefmt)
+    if q == "tracing":
+        from benchmarks.tracing import table as tracing_table
+
+        return tracing_table(records, tablefmt)
     return pivot(records, gpu, tablefmt)

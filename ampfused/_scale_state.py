@@ -11,7 +11,7 @@ commits the whole update.  The fused pass computes the update torch's ``update()
 (the same rule, plus the policy: bounds, hysteresis, counters) into a second such tensor, the
 pending update, while it reads the gradients; ``update()`` commits it when nothing it depended
 on changed since (:meth:`ScaleState.pending_holds`), and computes it again from the found_inf
-tensors otherwise (:meth:`ScaleState.compute_next`), so results never differ from torch's.
+tensors otherwise (:meth:`ScaleState.prepare_next`), so results never differ from torch's.
 
 Bad values are refused when they are given, not steps later: each check below tries the value
 the way torch will use it (``torch.full`` for the scale and the growth tracker,
@@ -560,25 +560,13 @@ class ScaleState:
         in_place: bool,
     ) -> bool:
         """Makes `next` hold this iteration's update: the one the fused passes computed
-        (`pending`, from :meth:`take_pending`), when it still holds, else one computed now
-        (:meth:`compute_next`).  False where only torch's update() can make it."""
-        return (
-            pending is not None and self.pending_holds(pending, scale, tracker, factors, found_infs)
-        ) or self.compute_next(scale, tracker, factors, found_infs, in_place)
-
-    def compute_next(
-        self,
-        scale: torch.Tensor,
-        tracker: torch.Tensor,
-        factors: Factors,
-        found_infs: list[torch.Tensor],
-        in_place: bool,
-    ) -> bool:
-        """Puts this iteration's update into `next`: scaler_update_ over the found_inf tensors
-        summed as torch's update() sums them (into the first one, in place, when in_place, as
-        torch does).  Returns False, having changed nothing, where only torch's update() can do
-        it (a device without our kernels, values torch's update() refuses, a state replaced by
-        tensors of other types)."""
+        (`pending`, from :meth:`take_pending`), when it still holds, else one computed now:
+        scaler_update_ over the found_inf tensors summed as torch's update() sums them (into
+        the first one, in place, when in_place, as torch does).  Returns False, having changed
+        nothing, where only torch's update() can make it (a device without our kernels, values
+        torch's update() refuses, a state replaced by tensors of other types)."""
+        if pending is not None and self.pending_holds(pending, scale, tracker, factors, found_infs):
+            return True
         state = self.tensor
         if state is None or not (scale.is_cuda or scale.is_cpu):
             return False

@@ -678,9 +678,7 @@ class GradScaler(torch.amp.GradScaler):
         if len(found_infs) == 0:
             raise _no_inf_checks("update")
         factors = (self._growth_factor, self._backoff_factor, self._growth_interval)
-        if (
-            pending is None or not state.pending_holds(pending, scale, tracker, factors, found_infs)
-        ) and not state.compute_next(scale, tracker, factors, found_infs, True):  # (prepare_next)
+        if not state.prepare_next(pending, scale, tracker, factors, found_infs, True):
             super().update()
             return
         floor_hit = state.commit(scale, tracker)

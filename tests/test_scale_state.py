@@ -14,6 +14,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import _scaler_harness as harness
 import pytest
 import torch
 from _scaler_harness import (
@@ -28,13 +29,10 @@ from _scaler_harness import (
     build_net,
     build_three,
     compare_sides,
-    found_from,
     inject_specials,
     lockstep,
     make_sides,
     make_train_step,
-    mid_iteration,
-    multi_step,
     torch_state_dict,
 )
 
@@ -122,13 +120,13 @@ def test_load_state_dict_mid_iteration(device, where):
         else:
             ret = side.scaler.step(side.opt)
             side.scaler.load_state_dict(dict(loaded, scale=loaded["scale"] * (i + 1)))
-        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        res = {"ret": ret, "mid": harness.mid_iteration(side.scaler, [side.opt])}
         side.scaler.update()
         return res
 
     sides = make_sides(device, build_net("sgd", "forloop"), **SCALER_KW)
     history = lockstep(sides, train_step, 5)
-    assert found_from(history[INF_ITER])
+    assert harness.found_from(history[INF_ITER])
     # the loaded tracker (1) with interval 2 means: a clean step grows, an overflow backs off
     assert sides[0].scaler.get_scale() == 512.0 * 5 * 4.0
 
@@ -234,7 +232,7 @@ def test_changes_between_step_and_update(device, case, impl):
 def test_changes_between_two_optimizers(device, case):
     # the change lands after the first optimizer's pass and before the others' passes
     sides = make_sides(device, build_three, init_scale=2.0**12, growth_interval=2)
-    lockstep(sides, multi_step(FALLBACKS[case]), 6)
+    lockstep(sides, harness.multi_step(FALLBACKS[case]), 6)
 
 
 def test_replaced_scale_tensors_between_iterations(device):
@@ -253,7 +251,7 @@ def test_update_new_scale(device, kind):
         _prepared(side, i)
         inject_specials(side.model, i)
         ret = side.scaler.step(side.opt)
-        res = {"ret": ret, "mid": mid_iteration(side.scaler, [side.opt])}
+        res = {"ret": ret, "mid": harness.mid_iteration(side.scaler, [side.opt])}
         if i in (1, 3, 4):
             value = 2.0 ** (10 + i)
             new_scale = value if kind == "float" else torch.tensor(value, device=side.device)
@@ -342,7 +340,7 @@ def test_scale_state_commits_into_replaced_tensors(device):
     tracker = torch.full((), 1, dtype=torch.int32, device=device)
     assert not state.owns(scale, tracker)
     found = torch.zeros((), device=device)
-    assert state.compute_next(scale, tracker, _RULE, [found], in_place=False)
+    assert state.prepare_next(None, scale, tracker, _RULE, [found], in_place=False)
     state.commit(scale, tracker)
     # The rule ran on the replaced values; the counters are the state's own.
     assert float(scale) == 2.0**4 and int(tracker) == 0
@@ -356,7 +354,7 @@ def test_scale_state_commits_into_replaced_tensors(device):
         "hysteresis_left": 2,
     }
     # A replacement of another dtype only torch's update can handle.
-    assert not state.compute_next(scale.double(), tracker, _RULE, [found], in_place=False)
+    assert not state.prepare_next(None, scale.double(), tracker, _RULE, [found], in_place=False)
 
 
 def test_scale_state_snapshot_keeps_its_policy_and_counters(device):

@@ -79,6 +79,7 @@ def _stepper(name: str, config: dict, batch: int, seq: int, method: str, device:
         scaler.update()
         opt.zero_grad()
 
+    step.params = list(model.parameters())  # type: ignore[attr-defined]  (the table's sizes)
     return step
 
 
@@ -115,6 +116,8 @@ def run(ctx: Context) -> list[Record]:
             for _ in range(rounds):
                 for method, step in steppers.items():
                     samples[method].append(_time(step, n, ctx.device))
+        params = steppers["untraced"].params
+        numel = sum(p.numel() for p in params)
         for method, times in samples.items():
             q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
             records.append(
@@ -124,9 +127,9 @@ def run(ctx: Context) -> list[Record]:
                     "model",
                     "fp16 autocast",
                     False,
-                    0,
-                    0,
-                    0,
+                    len(params),
+                    numel,
+                    4 * numel,  # (float32 parameters' gradients)
                     method,
                     "step",
                     median_s=statistics.median(times),

@@ -760,7 +760,9 @@ class GradScaler(torch.amp.GradScaler):
         every parameter's :class:`ampfused.diagnostics.GradStats`.
 
         Raises:
-            RuntimeError: without :meth:`watch`, as :meth:`grad_norms`.
+            RuntimeError: without :meth:`watch`, as :meth:`grad_norms`; between
+                :meth:`scale` and this iteration's pass, where the figures at hand are the
+                last iteration's (``report().step`` says which iteration a report is).
         """
         return self._watching("report").report()
 
@@ -769,7 +771,8 @@ class GradScaler(torch.amp.GradScaler):
         """Per-parameter L2 norms of the unscaled gradients and their total, keyed as
         Lightning's ``grad_norm`` keys them (``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``),
         as Python floats from one device-to-host copy: ready for ``self.log_dict``, W&B or
-        TensorBoard.  Needs :meth:`watch`; empty before the first pass.  Syncs.  Under FSDP or
+        TensorBoard.  Needs :meth:`watch`; empty before the first pass; refused between
+        :meth:`scale` and this iteration's pass, as :meth:`report`.  Syncs.  Under FSDP or
         tensor parallelism, the norms of this rank's shards."""
         if float(norm_type) != 2.0:
             raise ValueError(

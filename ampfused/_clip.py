@@ -16,7 +16,7 @@ import torch
 
 from ampfused import _C, _grad_pass, ops
 from ampfused._grad_pass import flat_params, group_index, read_param_groups
-from ampfused._scale_state import HYSTERESIS_LEFT, STATE_SIZE
+from ampfused._scale_state import unit_state
 from ampfused._torch_private import OptState
 from ampfused.master_weights import MasterWeights
 
@@ -103,9 +103,7 @@ def _any_empty_grad(groups: Any) -> bool:
 def _unit_pass(dev: torch.device, optimizer: Any, tables: list) -> dict | None:
     """A read-only pass with statistics over gradients already unscaled (scale 1, the
     scaler's state untouched); None where gradients need torch's walk."""
-    unit = torch.zeros(STATE_SIZE, dtype=torch.int32, device=dev)
-    unit[0:1].view(torch.float32).fill_(1.0)
-    unit[HYSTERESIS_LEFT] = 1
+    unit = unit_state(dev)
     groups = read_param_groups(optimizer)
     result = _C.fused_pass(
         groups, unit, torch.empty_like(unit), 2.0, 0.5, 1, -_INF, _INF, 1, True, False, True, True

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, _dist
-from ampfused._scale_state import kernel_update_args
+from ampfused._scale_state import STATE_SIZE, kernel_update_args
 from ampfused._torch_private import tensor_version
 from ampfused.master_weights import MasterWeights
 
@@ -185,7 +185,7 @@ def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: i
     own (which casts and unscales and records nothing), writing only its table."""
     scale, tracker, state = scaler._scale, scaler._growth_tracker, scaler._scale_state
     groups = [{"params": optimizer.model_params}]
-    scratch = torch.empty_like(state.pending_buffer(scale.device))  # (its update: unused)
+    scratch = torch.empty(STATE_SIZE, dtype=torch.int32, device=scale.device)  # (unused update)
     result = _C.fused_pass(
         groups,
         state.pass_input(scale, tracker),

@@ -395,6 +395,15 @@ def _read_extra(entry: Any) -> tuple[Policy, list[int]] | None:
 
 
 # ----------------------------------------------------------------------------- the state
+def unit_state(device: torch.device) -> torch.Tensor:
+    """A state with scale 1 (and one hysteresis step left): what a read-only statistics pass
+    reads over values already unscaled, or activations, leaving the scaler's state untouched."""
+    unit = torch.zeros(STATE_SIZE, dtype=torch.int32, device=device)
+    unit[0:1].view(torch.float32).fill_(1.0)
+    unit[HYSTERESIS_LEFT] = 1
+    return unit
+
+
 class Pending:
     """What the fused passes of this iteration wrote into the pending update, and the inputs
     they saw, so update() can tell whether committing it equals torch's update."""

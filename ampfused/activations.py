@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, ops
+from ampfused._scale_state import unit_state
 from ampfused._torch_private import current_graph_task_id
 from ampfused.islands import select_modules
 
@@ -32,7 +33,6 @@ __all__ = ["Tracer", "floating_tensors"]
 
 # What the statistics kernel reads; other floating dtypes (float8) are not recorded.
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (by range)
-_DEVICES = ("cpu", "cuda")
 # ops.scaler_pass_ without its wrapper (one call per module call): its eager entry point in _C
 # (~0.5 us, where torch.ops boxes every argument for ~4 us), else the op itself; and its
 # arguments after the table for a read-only pass (factors and policy make only the unused
@@ -72,9 +72,7 @@ class _Scratch:
     nobody reads (the pending update, found_inf)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.state = torch.zeros(ops.STATE_SIZE, dtype=torch.int32, device=device)
-        self.state[0:1].view(torch.float32).fill_(1.0)
-        self.state[ops.STATE_FIELDS.index("hysteresis_left")] = 1
+        self.state = unit_state(device)
         self.next = torch.empty_like(self.state)
         self.found = torch.zeros((), dtype=torch.float32, device=device)
 

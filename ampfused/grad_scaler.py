@@ -670,7 +670,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._watch is not None:
             self._watch.close_iteration()
         state, scale, tracker = self._scale_state, self._scale, self._growth_tracker
-        pending, state.pending = state.pending, None  # (update() starts the next record)
+        pending = state.take_pending()
         found_infs = self._found_infs()
         if new_scale is not None:
             self._update_to(new_scale, pending, found_infs)

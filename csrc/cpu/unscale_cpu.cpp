@@ -72,12 +72,83 @@ __attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_
 }
 #endif
 
-AMPFUSED_INLINE bool process_half(c10::Half* p, int64_t n, float inv, bool check_only) {
 #ifdef AMPFUSED_HAVE_F16C_PATH
-  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (f16c && !check_only) return unscale_half_f16c(p, n, inv);
+// The 16-bit formats with AVX-512F, 16 elements a step, for the plain pass (unscale16_avx512)
+// and the one with statistics (stats16_avx512): float16 through vcvtph2ps/vcvtps2ph (IEEE, as
+// c10::Half, a NaN's payload aside), bfloat16 through float_to_bf16_bits on 16 lanes, which GCC
+// does not vectorize in 512 bits without AVX512BW.
+// GCC 12's AVX-512 headers start intrinsics from _mm512_undefined_*(), which -Wall reports.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#define AMPFUSED_AVX512 __attribute__((target("avx512f"), always_inline)) inline
+
+// Sixteen stored elements in float32 (exact).
+template <typename T>
+AMPFUSED_AVX512 __m512 load16_avx512(const void* at) {
+  const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(at));
+  if constexpr (std::is_same_v<T, c10::Half>) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Sixteen float32 values rounded to T and stored (to_storage<T>); returns the stored values in
+// float32.
+template <typename T>
+AMPFUSED_AVX512 __m512 store16_avx512(void* at, __m512 u) {
+  auto* out = static_cast<__m256i*>(at);
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    const __m256i stored = _mm512_cvtps_ph(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(out, stored);
+    return _mm512_cvtph_ps(stored);
+  } else {
+    // float_to_bf16_bits: round to nearest even, any NaN -> 0x7FC0.
+    const __m512i b = _mm512_castps_si512(u);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask)));
+    const __m512i stored = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(stored));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(stored, 16));
+  }
+}
+
+// The plain writing pass over a 16-bit run: visit<T, false> sixteen at a time (the input's
+// test on its float32 bits, which are inf/NaN exactly when the stored bits are), the last
+// elements that fill no vector through process().
+template <typename T>
+__attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float inv) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
+  const bool inv_is_one = inv == 1.0f;
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16_avx512<T>(p + i);
+    const __m512i vb = _mm512_castps_si512(v);
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
+    store16_avx512<T>(p + i, inv_is_one ? v : _mm512_mul_ps(v, vinv));
+  }
+  return process(p + i, n - i, static_cast<opmath_t<T>>(inv), /*check_only=*/false) || bad != 0;
+}
+#pragma GCC diagnostic pop
 #endif
-  return process(p, n, inv, check_only);
+
+// A 16-bit run: the AVX-512 loop where the CPU has it, else (float16) the F16C one, else
+// process(); check-only passes test the bits in process(), which vectorizes without them.
+template <typename T>
+AMPFUSED_INLINE bool process16(T* p, int64_t n, float inv, bool check_only) {
+#ifdef AMPFUSED_HAVE_F16C_PATH
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512 && !check_only) return unscale16_avx512<T>(p, n, inv);
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (f16c && !check_only) return unscale_half_f16c(p, n, inv);
+  }
+#endif
+  return process(p, n, static_cast<opmath_t<T>>(inv), check_only);
 }
 
 // Memory-bound only with wide vectors: on 2 cores a 16-byte SSE loop tops out near the
@@ -97,8 +168,8 @@ bool process_span(const Span& s, int64_t begin, int64_t end, float inv, bool che
   const bool known = visit_grad_dtype(s.dtype, [&](auto tag) __attribute__((always_inline)) {
     using T = typename decltype(tag)::type;
     T* p = static_cast<T*>(s.data) + begin;
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      bad = process_half(p, n, inv, check_only);
+    if constexpr (sizeof(T) == 2) {
+      bad = process16(p, n, inv, check_only);
     } else {
       bad = process(p, n, static_cast<opmath_t<T>>(inv), check_only);
     }
@@ -226,10 +297,8 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
   stat_write_row(row, stat_item_sum<float, kStatVec<c10::Half>>(lanes, n), c);
   return c.found();
 }
-// The 16-bit formats with AVX-512F, 16 elements per step (float16: vcvtph2ps/vcvtps2ph, half the
-// instructions of stats_half_f16c; bfloat16: float_to_bf16_bits on 16 lanes, which GCC does not
-// vectorize in 512 bits without AVX512BW); lanes, fields and the rare second look as above.
-// GCC 12's AVX-512 headers start intrinsics from _mm512_undefined_*(), which -Wall reports.
+// The 16-bit formats with AVX-512F, 16 elements per step (load16_avx512/store16_avx512; float16
+// in half the instructions of stats_half_f16c); lanes, fields and the rare second look as above.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -244,8 +313,6 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
   const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
   const __m512i one32 = _mm512_set1_epi32(1);
-  const __m512i bf16_half_ulp = _mm512_set1_epi32(0x7fff);
-  const __m512i bf16_nan = _mm512_set1_epi32(0x7fc0);
   __m512i zeros = _mm512_setzero_si512(), maxbits = zeros;
   StatCounts<float> c;
   for (int64_t j = 0; j < n; j += L) {
@@ -255,14 +322,7 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
     c.any_max_bits = 0;
     int l = 0;
     for (; l + 16 <= m; l += 16) {
-      auto* at = reinterpret_cast<__m256i*>(q + l);
-      const __m256i h = _mm256_loadu_si256(at);
-      __m512 v;
-      if constexpr (std::is_same_v<T, c10::Half>) {
-        v = _mm512_cvtph_ps(h);
-      } else {
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
+      const __m512 v = load16_avx512<T>(q + l);
       if (kCountInputs) {
         const __m512i vb = _mm512_castps_si512(v);
         const __mmask16 nf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
@@ -271,21 +331,7 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
         }
       }
       __m512 u = inv_is_one ? v : _mm512_mul_ps(v, vinv);
-      if constexpr (!kCheckOnly && std::is_same_v<T, c10::Half>) {
-        const __m256i stored = _mm512_cvtps_ph(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm256_storeu_si256(at, stored);
-        u = _mm512_cvtph_ps(stored);
-      } else if constexpr (!kCheckOnly) {
-        // float_to_bf16_bits: round to nearest even, any NaN -> 0x7FC0.
-        const __m512i b = _mm512_castps_si512(u);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one32);
-        const __m512i rounded =
-            _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bf16_half_ulp), lsb), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs32), inf32);
-        const __m512i stored = _mm512_mask_mov_epi32(rounded, nan, bf16_nan);
-        _mm256_storeu_si256(at, _mm512_cvtepi32_epi16(stored));
-        u = _mm512_castsi512_ps(_mm512_slli_epi32(stored, 16));
-      }
+      if constexpr (!kCheckOnly) u = store16_avx512<T>(q + l, u);
       float* lane = lanes + l;
       _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
       const __m512i ub = _mm512_and_si512(_mm512_castps_si512(u), abs32);

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
-from ampfused import ops
+from ampfused import _C, ops
 
 __all__ = ["MasterWeights"]
 
@@ -252,10 +253,16 @@ class MasterWeights(torch.optim.Optimizer):
         in place; a master whose parameter has no gradient gets none.  Returns one found_inf
         per device (float32, 1.0 where an input element was inf/NaN), as ``_unscale_grads_``.
         """
-        # device -> (low-precision grads, their master grads, other grads).  One Python
-        # iteration per parameter, kept lean: it is this pass's whole host cost.
+        cast_from: dict[int, tuple[Tensor, int, Tensor, int]] = {}
+        if not is_compiling():  # the common case in C++ (csrc/master_gather.cpp)
+            found = _C.masters_pass(self._params, self._masters, inv_scale, cast_from)
+            if found is not None:
+                self._cast_from = cast_from
+                self._grads_ready = True
+                return dict(found)
+        # device -> (low-precision grads, their master grads, other grads): the walk that
+        # allocates the masters' gradients and takes every layout.
         work: dict[torch.device, tuple[list, list, list]] = {}
-        cast_from = {}
         strided = torch.strided
         for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             g = p.grad
@@ -296,22 +303,17 @@ class MasterWeights(torch.optim.Optimizer):
     def _check_unchanged_since_pass(self) -> None:
         """After a scaler's pass the masters' gradients are what the optimizer reads: refuse a
         step whose model gradients were written after it (their change would be lost)."""
-        for i in self._low.values():
-            g = self._params[i].grad
-            seen = self._cast_from.get(i)
-            changed = (g is not None and seen is None) or (
-                seen is not None and (g is not seen[0] or g._version != seen[1])
+        i = _C.masters_first_changed(self._params, list(self._low.values()), self._cast_from)
+        if i >= 0:
+            p = self._params[i]
+            raise RuntimeError(
+                f"MasterWeights: the gradient of a {p.dtype} parameter of shape "
+                f"{tuple(p.shape)} changed after the scaler unscaled it into its float32 "
+                "master, so the change would not reach the optimizer (e.g. "
+                "torch.nn.utils.clip_grad_norm_(model.parameters()) after "
+                "scaler.unscale_(optimizer)). Clip with scaler.clip_grad_norm_(optimizer, "
+                "max_norm), or modify the gradients of optimizer.master_params"
             )
-            if changed:
-                p = self._params[i]
-                raise RuntimeError(
-                    f"MasterWeights: the gradient of a {p.dtype} parameter of shape "
-                    f"{tuple(p.shape)} changed after the scaler unscaled it into its float32 "
-                    "master, so the change would not reach the optimizer (e.g. "
-                    "torch.nn.utils.clip_grad_norm_(model.parameters()) after "
-                    "scaler.unscale_(optimizer)). Clip with scaler.clip_grad_norm_(optimizer, "
-                    "max_norm), or modify the gradients of optimizer.master_params"
-                )
 
     @torch.no_grad()
     def _take_model_changes(self) -> None:
@@ -320,17 +322,17 @@ class MasterWeights(torch.optim.Optimizer):
         weights), gives its master its new value.  The same value (a checkpoint's model
         weights loaded after its optimizer state) keeps the master's extra bits."""
         synced = self._synced_versions
-        for k, (p, m) in enumerate(zip(self._low_params, self._low_masters, strict=True)):
-            if p._version != synced[k]:
-                if not torch.equal(p, m.to(p.dtype)):
-                    m.copy_(p)
-                synced[k] = p._version
+        for k in _C.versions_changed(self._low_params, synced):
+            p, m = self._low_params[k], self._low_masters[k]
+            if not torch.equal(p, m.to(p.dtype)):
+                m.copy_(p)
+            synced[k] = p._version
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:
         if self._low_params:
             torch._foreach_copy_(self._low_params, self._low_masters)
-            self._synced_versions = [p._version for p in self._low_params]
+            self._synced_versions = _C.versions_of(self._low_params)
 
     def cast_grads(self) -> None:
         """Cast the model's gradients into the masters' now (float32, exactly; not unscaled).

@@ -253,7 +253,6 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
 }
 
 namespace {
-constexpr int64_t kLongPassBytes = 1 << 20;
 
 int64_t bytes_of(at::TensorList grads) {
   int64_t bytes = 0;

@@ -69,9 +69,29 @@ std::optional<std::vector<DeviceGrads>> collect(pybind11::handle param_groups, b
                                                 bool positions = false,
                                                 pybind11::handle unwrap = pybind11::none());
 
-// Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
-// borrowed grads become owned references first.  Short passes and CUDA launches keep it.
+// Long CPU passes (kLongPassBytes of gradients or more) run without the GIL, so other Python
+// threads (data loading) keep going; the borrowed grads become owned references first.  Short
+// passes and CUDA launches keep it.
+constexpr int64_t kLongPassBytes = 1 << 20;
 std::optional<pybind11::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups);
 std::optional<pybind11::gil_scoped_release> release_gil_if_long(GradList& grads);
+
+// MasterWeights' per-step walks (master_gather.cpp; the contract is master_weights.py's).
+// masters_pass: MasterWeights._grads_to_masters over the flat lists `params` and `masters`,
+// recording each low-precision gradient cast into `cast_from` as {position: (grad, its version,
+// the master's grad, -1)}; returns found_inf per device, or std::nullopt (nothing written) where
+// the Python walk must run: a gradient that is not dense and contiguous, or a tensor subclass,
+// or a master's gradient that is not contiguous.  A master without a gradient gets a new one.
+std::optional<std::vector<std::pair<at::Device, at::Tensor>>> masters_pass(
+    pybind11::handle params, pybind11::handle masters, const at::Tensor& inv_scale,
+    pybind11::dict cast_from);
+// The first of `positions` whose parameter's gradient is not the one `cast_from` recorded at
+// the version recorded (or has none recorded), else -1.
+int64_t masters_first_changed(pybind11::handle params, pybind11::handle positions,
+                              pybind11::dict cast_from);
+// Each tensor's version counter, and the indices of those whose counter is not `versions`'.
+std::vector<int64_t> versions_of(pybind11::handle tensors);
+std::vector<int64_t> versions_changed(pybind11::handle tensors,
+                                      const std::vector<int64_t>& versions);
 
 }  // namespace ampfused

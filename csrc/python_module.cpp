@@ -310,6 +310,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return ampfused::reduce_grad_stats(item_rows, std::vector<int64_t>(p, p + n.numel()));
       },
       py::arg("item_rows"), py::arg("numels"));
+  m.def("masters_pass", &ampfused::masters_pass, py::arg("params"), py::arg("masters"),
+        py::arg("inv_scale"), py::arg("cast_from"));
+  m.def("masters_first_changed", &ampfused::masters_first_changed, py::arg("params"),
+        py::arg("positions"), py::arg("cast_from"));
+  m.def("versions_of", &ampfused::versions_of, py::arg("tensors"));
+  m.def("versions_changed", &ampfused::versions_changed, py::arg("tensors"), py::arg("versions"));
   m.def("_visit_elements", &ampfused::visit_elements, py::arg("tensor"), py::arg("inv_scale"),
         py::arg("check_only"));
   if (PyModule_AddFunctions(m.ptr(), ampfused::eager_calls) != 0) throw py::error_already_set();

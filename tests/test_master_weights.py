@@ -21,9 +21,12 @@ Sections:
 from __future__ import annotations
 
 import copy
+import glob
 import inspect
 import io
 import math
+import os
+import sys
 import warnings
 
 import pytest
@@ -698,6 +701,106 @@ def test_matches_recipe_with_torch_scaler(device, opt_name, dtype, mixed):
     if mixed:  # the float32 parameter is its own master, stepped in place
         assert opt.master_params[0] is net.gain and net.gain.dtype == F32
         assert not torch.equal(net.gain, torch.linspace(0.5, 1.5, 3, device=device))
+
+
+def _python_walk(monkeypatch) -> None:
+    """MasterWeights takes its Python walk (the one that allocates and explains) every step."""
+    monkeypatch.setattr(ampfused.master_weights._C, "masters_pass", lambda *args: None)
+
+
+@pytest.mark.parametrize("set_to_none", (True, False), ids=("set_to_none", "zeroed"))
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_id)
+def test_walk_in_cpp_equals_python_walk(device, dtype, set_to_none, monkeypatch):
+    """The scaler's pass into the masters (csrc/master_gather.cpp) leaves what the Python walk
+    leaves, bit for bit, over steps with growth, an inf step, a parameter without a gradient
+    (frozen) and a float32 parameter that is its own master; and it is the one taken."""
+    nets = [make_net(dtype, device, mixed=True) for _ in range(2)]
+    opts = [ampfused.MasterWeights(OPTIMIZERS["adamw"](net.parameters())) for net in nets]
+    scalers = [ampfused.GradScaler(device, **SCALER_KW) for _ in nets]
+    real = ampfused.master_weights._C.masters_pass
+    taken = []
+
+    def spy(*args):
+        found = real(*args)
+        taken.append(found is not None)
+        return found
+
+    for i in range(STEPS):
+        found = []
+        for k, (net, opt, scaler) in enumerate(zip(nets, opts, scalers, strict=True)):
+            net.l1.bias.requires_grad_(i < 3)  # no gradient from step 3 on
+            with monkeypatch.context() as m:
+                if k == 0:
+                    m.setattr(ampfused.master_weights._C, "masters_pass", spy)
+                else:
+                    _python_walk(m)
+                backward(net, scaler, i, dtype, device)
+                scaler.unscale_(opt)
+                found.append([f.item() for f in scaler._found_infs()])
+                scaler.step(opt)
+                scaler.update()
+        assert found[0] == found[1] == [float(i == INF_STEP)], (i, found)
+        a, b = opts
+        assert a._cast_from.keys() == b._cast_from.keys(), i
+        for key in a._cast_from:
+            ga, va, oa, ma = a._cast_from[key]
+            gb, vb, ob, mb = b._cast_from[key]
+            assert (va, ma) == (vb, mb) and ga is a.model_params[key].grad, (i, key)
+            assert oa is a.master_params[key].grad, (i, key)
+        for ma_, mb_ in zip(a.master_params, b.master_params, strict=True):
+            assert (ma_.grad is None) == (mb_.grad is None), i
+            if ma_.grad is not None:
+                assert_bits(ma_.grad, mb_.grad, f"step {i}: a master's gradient")
+        assert_same_training(
+            *nets[:1], a, scalers[0], nets[1], b.master_params, b, scalers[1], f"step {i}"
+        )
+        for opt in opts:
+            opt.zero_grad(set_to_none)
+    assert taken and all(taken), taken
+
+
+def _count_master_lines(n_params: int) -> int:
+    """Python lines executed in ampfused's package during a scaler's unscale_ + step + update
+    of a MasterWeights over n_params float16 parameters, after zero_grad and a backward."""
+    params = [torch.ones(2, dtype=F16, requires_grad=True) for _ in range(n_params)]
+    opt = ampfused.MasterWeights(torch.optim.SGD(params, lr=0.0))
+    scaler = ampfused.GradScaler("cpu", init_scale=4.0)
+    package = os.path.dirname(ampfused.__file__)
+    files = set(glob.glob(os.path.join(package, "*.py")))
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename in files else None
+
+    for traced in (False, True):  # the first step allocates the masters' gradients
+        opt.zero_grad()
+        for p in params:
+            p.grad = torch.full((2,), 8.0, dtype=F16)
+        scaler.scale(torch.ones(()))
+        old = sys.gettrace()
+        if traced:
+            sys.settrace(tracer)
+        try:
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            sys.settrace(old)
+    assert opt.master_params[-1].grad[0].item() == 2.0  # unscaled into the master
+    return count
+
+
+def test_no_per_parameter_python_in_a_step():
+    """The pass into the masters, step()'s checks of the model's gradients and versions, and
+    the copy back cost no Python line per parameter."""
+    few, many = 20, 2000
+    _count_master_lines(few)  # warms per-function caches
+    assert _count_master_lines(few) == _count_master_lines(many)
 
 
 @pytest.mark.parametrize("unscale_first", (False, True), ids=("clip", "unscale_then_clip"))

@@ -106,9 +106,7 @@ AMPFUSED_AVX512 __m512 store16_avx512(void* at, __m512 u) {
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_srli_epi32(
         _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan =
-        _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
-                                _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
     const __m512i stored = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
     _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(stored));
     return _mm512_castsi512_ps(_mm512_slli_epi32(stored, 16));
@@ -122,14 +120,13 @@ template <typename T>
 __attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float inv) {
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
-  const bool inv_is_one = inv == 1.0f;
   __mmask16 bad = 0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 v = load16_avx512<T>(p + i);
     const __m512i vb = _mm512_castps_si512(v);
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
-    store16_avx512<T>(p + i, inv_is_one ? v : _mm512_mul_ps(v, vinv));
+    store16_avx512<T>(p + i, _mm512_mul_ps(v, vinv));  // (by 1 too: see stats16_avx512)
   }
   return process(p + i, n - i, static_cast<opmath_t<T>>(inv), /*check_only=*/false) || bad != 0;
 }
@@ -299,6 +296,9 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
 }
 // The 16-bit formats with AVX-512F, 16 elements per step (load16_avx512/store16_avx512; float16
 // in half the instructions of stats_half_f16c); lanes, fields and the rare second look as above.
+// Without kCountInputs the finite abs-max of a run is its any_max_bits when that is finite (the
+// common case), else it is taken in the second look: the loop keeps one maximum, not two.
+// (Walking several runs per load of the lanes was tried: slower, from the strided access.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -330,21 +330,33 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
           for (int k = 0; k < 16; ++k) stat_count_input(to_opmath(q[l + k]), c);
         }
       }
-      __m512 u = inv_is_one ? v : _mm512_mul_ps(v, vinv);
+      // Multiplied by 1 too: exact, and a 16-bit NaN's payload is not kept anyway.
+      __m512 u = _mm512_mul_ps(v, vinv);
       if constexpr (!kCheckOnly) u = store16_avx512<T>(q + l, u);
       float* lane = lanes + l;
       _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
       const __m512i ub = _mm512_and_si512(_mm512_castps_si512(u), abs32);
       zeros = _mm512_mask_add_epi32(zeros, _mm512_testn_epi32_mask(ub, ub), zeros, one32);
-      maxbits = _mm512_mask_max_epu32(maxbits, _mm512_cmplt_epu32_mask(ub, inf32), maxbits, ub);
-      if (!kCountInputs) any_max = _mm512_max_epu32(any_max, ub);
+      if (kCountInputs) {
+        maxbits = _mm512_mask_max_epu32(maxbits, _mm512_cmplt_epu32_mask(ub, inf32), maxbits, ub);
+      } else {
+        any_max = _mm512_max_epu32(any_max, ub);
+      }
     }
     for (; l < m; ++l) {
       stat_visit<T, kCheckOnly, kCountInputs>(q[l], inv, inv_is_one, lanes[l], c);
     }
-    if (!kCountInputs) {
-      c.any_max_bits = std::max(c.any_max_bits, _mm512_reduce_max_epu32(any_max));
-      if (c.any_non_finite_u()) count_inputs_of_run(q, m, c);
+    if (kCountInputs) continue;
+    c.any_max_bits = std::max(c.any_max_bits, _mm512_reduce_max_epu32(any_max));
+    if (!c.any_non_finite_u()) {
+      c.abs_max_bits = std::max(c.abs_max_bits, c.any_max_bits);
+      continue;
+    }
+    count_inputs_of_run(q, m, c);  // rare: the inputs counted, the finite abs-max taken
+    for (int k = 0; k < m; ++k) {
+      const float u = kCheckOnly ? unscaled(to_opmath(q[k]), inv, inv_is_one) : to_opmath(q[k]);
+      const uint32_t ub = float_bits(u) & 0x7fffffffu;
+      if (ub < kFloatExpMask) c.abs_max_bits = std::max(c.abs_max_bits, ub);
     }
   }
   c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));

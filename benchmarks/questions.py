@@ -82,6 +82,9 @@ DIAG_METHODS = ("ampfused", "ampfused-watch", "ampfused-norms", "torch", "torch-
 # Also the order of the bytecode column.
 DIAG_COUNT_METHODS = ("ampfused", "ampfused-watch", "ampfused-norms", "torch-norms")
 DIAG_BOUND_SETS = (GPT2, X4_16M)  # the 1.15x target is stated on these (fp32)
+# ... and on GPT-2's shapes in each 16-bit format (the watched pass against the plain one only)
+DIAG_16BIT_SETS = tuple(_w("gpt2-124m", gpt2_124m(), d, "model") for d in ("bf16", "fp16"))
+DIAG_16BIT_METHODS = ("ampfused", "ampfused-watch")
 DIAG_COUNTS = (100, 1000, 3000)
 DIAG_COUNT_NUMEL = 16
 DIAG_RATIO_BOUND = 1.15
@@ -95,6 +98,7 @@ def _diagnostics_plan(ctx: Context, args: argparse.Namespace) -> list:
     out: list = [(w, DIAG_METHODS) for w in DIAG_BOUND_SETS]
     if not ctx.quick:
         out.append((GPT2_MIXED, DIAG_METHODS))
+        out += [(w, DIAG_16BIT_METHODS) for w in DIAG_16BIT_SETS]
     return out + [(diag_count_workload(n), DIAG_COUNT_METHODS) for n in DIAG_COUNTS]
 
 

@@ -25,10 +25,12 @@ class TargetResult:
         return {True: "met", False: "not met", None: "not measured"}[self.passed]
 
 
-def _get(records: list[Record], question: str, workload: str, method: str) -> Record | None:
+def _get(
+    records: list[Record], question: str, workload: str, method: str, dtype: str = "fp32"
+) -> Record | None:
     for r in records:
         if (r.question, r.workload, r.method) == (question, workload, method) and r.ok:
-            if not r.realloc and r.dtype == "fp32":
+            if not r.realloc and r.dtype == dtype:
                 return r
     return None
 
@@ -74,8 +76,9 @@ def cpu_targets(records: list[Record], questions: list[str]) -> list[TargetResul
 
 
 def diagnostics_targets(records: list[Record]) -> list[TargetResult]:
-    """The watched pass within 1.15x of the plain one (GPT-2 124M, 4 x 16M, fp32), torch's
-    per-layer logging beside it, and no per-parameter Python work."""
+    """The watched pass within 1.15x of the plain one (GPT-2 124M, 4 x 16M, fp32; GPT-2 124M in
+    bfloat16 and float16 when measured), torch's per-layer logging beside it, and no
+    per-parameter Python work."""
     q, bound, out = "diagnostics", qs.DIAG_RATIO_BOUND, []
     for w in qs.DIAG_BOUND_SETS:
         a, watched, norms, tn = (
@@ -93,6 +96,15 @@ def diagnostics_targets(records: list[Record]) -> list[TargetResult]:
             ):
                 if x is not None and y is not None:
                     res.detail += f"; {label} {_x(x, y):.2f}x"
+        out.append(res)
+    for w in qs.DIAG_16BIT_SETS:  # (where measured: not with --quick)
+        a, watched = (_get(records, q, w.name, m, w.dtype) for m in qs.DIAG_16BIT_METHODS)
+        if a is None or watched is None:
+            continue
+        req = f"watched pass on 16-bit gradients <= {bound:g}x the plain ampfused pass"
+        res = TargetResult(f"diagnostics {w.name} {w.dtype}", req)
+        res.value, res.passed = f"{_x(watched, a):.3f}x", _x(watched, a) <= bound
+        res.detail = f"ampfused {_ms(a)}, watched {_ms(watched)}"
         out.append(res)
     # A per-parameter Python loop adds several bytecodes a parameter; allowed: under one per ten.
     req = "no per-parameter host work: Python bytecodes of a watched step flat in the tensor count"

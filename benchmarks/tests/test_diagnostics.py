@@ -114,6 +114,20 @@ def test_targets(watch_ms: float, code: list[int], passed: list[bool]) -> None:
     assert [t.passed for t in targets.diagnostics_targets(records(21.0, code)[:2])] == [None] * 3
 
 
+def test_16_bit_targets_where_measured() -> None:
+    """GPT-2's 16-bit sets get the same bound, on their own dtype's rows, when they ran."""
+    recs = records(22.0, [900] * 3)
+    for dtype, watch_ms in (("bf16", 11.4), ("fp16", 11.6)):
+        for m, ms in (("ampfused", 10.0), ("ampfused-watch", watch_ms)):
+            recs.append(rec(m, ms * 1e3, workload="gpt2-124m", dtype=dtype, question="diagnostics"))
+    derive(recs)
+    results = targets.diagnostics_targets(recs)
+    got = {t.name: (t.value, t.passed) for t in results}
+    assert got["diagnostics gpt2-124m bf16"] == ("1.140x", True)
+    assert got["diagnostics gpt2-124m fp16"] == ("1.160x", False)
+    assert got["diagnostics gpt2-124m fp32"] == ("1.100x", True)  # its own rows, not bf16's
+
+
 def test_suite_prints_the_question(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         suite_main, "run_question", lambda run, q: run.records.extend(records(21.0, [900] * 3))

@@ -1,6 +1,9 @@
 """Interleaved timing of several methods on one gradient set (benchmarks/README.md, "Method").
 
-Every round runs each method once, in an order rotated by one each round; before every step
+Every round runs each method once, in an order shuffled each round (seeded), so that no method
+always runs right after the same other one (a rotation keeps the circular order: in step_cost
+ampfused then always ran right after the floor's 3000 per-tensor multiplies, which evict what a
+step reads, while torch always followed ampfused's short step); before every step
 the gradients are restored and the scale reset, untimed (``Timer.blocked_autorange`` would run
 the statement many times per setup and the gradients would drift towards zero).
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -311,10 +315,11 @@ def _measure(
 
     t_start = time.perf_counter()
     gc.collect()
-    rnd = 0
+    rnd, shuffle = 0, random.Random(0).shuffle
     while active:
-        k = rnd % len(active)
-        for name in active[k:] + active[:k]:
+        order = list(active)
+        shuffle(order)
+        for name in order:
             try:
                 sample(name, rnd)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory half way

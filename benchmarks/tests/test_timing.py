@@ -104,6 +104,22 @@ def test_batched_method_recovers_known_costs(latency, restore, step, wall, host,
     assert t.spin_overruns == overruns
 
 
+def test_each_method_follows_each_other() -> None:
+    """The rounds do not keep one circular order: each method runs right after each of the
+    others about as often (a rotation by one gave a method the same predecessor in two rounds
+    of three)."""
+    clock, ran = SimClock(), []
+    runs = {k: (lambda k=k: (ran.append(k), clock.op(10, 1)())) for k in "abc"}
+    sim_measure(clock, clock.op(1, 1), runs, n=1, mode="per-step", min_rounds=300,
+                enough_rounds=300, warmup=1)  # fmt: skip
+    timed = ran[3:]  # after the warm-up steps
+    assert len(timed) >= 900
+    for x in "abc":
+        before = [p for p, y in zip(timed, timed[1:], strict=False) if y == x and p != x]
+        for p in set("abc") - {x}:
+            assert 0.4 < before.count(p) / len(before) < 0.6, (x, p, before.count(p))
+
+
 def test_sync_latency_is_paid_once_per_batch() -> None:
     """Two steps of 30 and 300 us of host time read 10x apart whatever a sync costs (the old
     per-step GPU sample paid one sync each, compressing the ratio)."""

@@ -278,8 +278,9 @@ class MasterWeights(torch.optim.Optimizer):
             if g.layout is not strided:
                 self._check_layout(i, g)
             src, out = g, m.grad
-            # Both contiguous: the same strides (same shape), the master's gradient reused.
-            if out is None or not (g.is_contiguous() and out.is_contiguous()):
+            # The kernel needs the same strides (both contiguous is not enough: a size-1
+            # dimension may have any stride); _master_grad reuses or allocates, and packs g.
+            if out is None or out.stride() != g.stride() or not g.is_contiguous():
                 src, out = self._master_grad(i, g)
             # The master's version is not recorded (-1): after a scaler's pass, step() checks
             # only the model's side (_check_unchanged_since_pass).

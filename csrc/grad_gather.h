@@ -80,8 +80,9 @@ std::optional<pybind11::gil_scoped_release> release_gil_if_long(GradList& grads)
 // masters_pass: MasterWeights._grads_to_masters over the flat lists `params` and `masters`,
 // recording each low-precision gradient cast into `cast_from` as {position: (grad, its version,
 // the master's grad, -1)}; returns found_inf per device, or std::nullopt (nothing written) where
-// the Python walk must run: a gradient that is not dense and contiguous, or a tensor subclass,
-// or a master's gradient that is not contiguous.  A master without a gradient gets a new one.
+// the Python walk must run: a gradient that is not dense, or a tensor subclass, or a master's
+// gradient with other strides, or a torch function or dispatch mode set.  A master without a
+// gradient gets a new one, with its gradient's strides.
 std::optional<std::vector<std::pair<at::Device, at::Tensor>>> masters_pass(
     pybind11::handle params, pybind11::handle masters, const at::Tensor& inv_scale,
     pybind11::dict cast_from);

@@ -3,10 +3,12 @@
 //
 // In Python each walk costs about a microsecond per parameter, which at 1000 small parameters
 // made MasterWeights slower than float32 masters by hand.  Here a parameter costs tens of
-// nanoseconds.  The common case only is taken (dense contiguous gradients, and the masters'
-// gradients contiguous or not allocated yet): anything else returns None and the Python walk,
+// nanoseconds.  The common case only is taken (dense gradients, and the masters' gradients of
+// the same strides or not allocated yet): anything else returns None and the Python walk,
 // which takes every layout and explains what it refuses, runs instead.
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -61,7 +63,11 @@ std::optional<std::vector<std::pair<at::Device, at::Tensor>>> masters_pass(
   PyObject* const* ps = items_of(params, n, "params");
   PyObject* const* ms = items_of(masters, n_masters, "masters");
   TORCH_CHECK(n == n_masters, "masters_pass: ", n, " params but ", n_masters, " masters");
-  // First the checks that send the whole pass to Python, before anything is written.
+  // First the checks that send the whole pass to Python, before anything is written.  With a
+  // torch function or dispatch mode set, the modes see the ops only through the Python walk.
+  if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set()) {
+    return std::nullopt;
+  }
   for (Py_ssize_t i = 0; i < n; ++i) {
     const at::Tensor& g = tensor_of(ps[i], "params").unsafeGetTensorImpl()->grad();
     if (!g.defined()) continue;
@@ -69,8 +75,12 @@ std::optional<std::vector<std::pair<at::Device, at::Tensor>>> masters_pass(
       return std::nullopt;  // sparse values, subclasses, layouts MasterWeights refuses
     }
     if (ms[i] == ps[i]) continue;
+    // The kernel takes a dense gradient and a master's gradient of the same strides (a size-1
+    // dimension may have any stride: a channels_last Conv2d(1, ...) weight is contiguous).
     const at::Tensor& out = tensor_of(ms[i], "masters").unsafeGetTensorImpl()->grad();
-    if (!g.is_contiguous() || (out.defined() && !out.is_contiguous())) return std::nullopt;
+    if (!g.is_non_overlapping_and_dense() || (out.defined() && out.strides() != g.strides())) {
+      return std::nullopt;
+    }
   }
   std::vector<MasterDevice> work;
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -89,8 +99,9 @@ std::optional<std::vector<std::pair<at::Device, at::Tensor>>> masters_pass(
     }
     const at::Tensor& master = THPVariable_Unpack(ms[i]);
     if (!master.unsafeGetTensorImpl()->grad().defined()) {
-      // After zero_grad(set_to_none=True): a float32 gradient in g's (contiguous) layout.
-      master.mutable_grad() = at::empty(g.sizes(), g.options().dtype(at::kFloat));
+      // After zero_grad(set_to_none=True): a float32 gradient with g's strides (as empty_like).
+      master.mutable_grad() =
+          at::empty_strided(g.sizes(), g.strides(), g.options().dtype(at::kFloat));
     }
     const at::Tensor& out = master.unsafeGetTensorImpl()->grad();
     d.lows.borrow(g);

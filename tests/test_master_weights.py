@@ -759,6 +759,69 @@ def test_walk_in_cpp_equals_python_walk(device, dtype, set_to_none, monkeypatch)
     assert taken and all(taken), taken
 
 
+@pytest.mark.parametrize("case", ("conv1_channels_last", "conv_channels_last", "linear_t"))
+def test_walk_in_cpp_with_any_strides(device, case, monkeypatch):
+    """Gradients whose strides are not the contiguous ones get masters' gradients of the same
+    strides, in the C++ walk as in the Python one, with the same training bit for bit: a
+    channels_last Conv2d with one input channel (contiguous, with a size-1 dimension's stride
+    of its own), one with four (dense, not contiguous), a transposed Linear weight."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        if case == "linear_t":
+            m = nn.Linear(4, 1).to(device=device, dtype=BF16)
+            m.weight = nn.Parameter(torch.randn(4, 1, dtype=BF16, device=device).t())
+            assert m.weight.stride() == (1, 1)
+            return m
+        m = nn.Conv2d(1 if case == "conv1_channels_last" else 4, 2, 3)
+        return m.to(device=device, dtype=BF16, memory_format=torch.channels_last)
+
+    shape = {"linear_t": (3, 4), "conv1_channels_last": (2, 1, 7, 7)}.get(case, (2, 4, 7, 7))
+    x = torch.randn(shape).to(device=device, dtype=BF16)
+    runs = []
+    for python_walk in (False, True):
+        net = build()
+        opt = ampfused.MasterWeights(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        scaler = ampfused.GradScaler(device, init_scale=2.0**8)
+        with monkeypatch.context() as m:
+            if python_walk:
+                _python_walk(m)
+            for _ in range(3):
+                scaler.scale(net(x).float().square().sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                for p, mp in zip(opt.model_params, opt.master_params, strict=True):
+                    if mp is not p:
+                        assert mp.grad.stride() == p.grad.stride()
+                opt.zero_grad()
+        runs.append([p.detach().clone() for p in (*net.parameters(), *opt.master_params)])
+    for a, b in zip(*runs, strict=True):
+        assert_bits(a, b, case)
+
+
+def test_walk_under_a_torch_function_mode_is_python():
+    """A torch function mode sees the pass's op: the C++ walk, which calls it below Python,
+    steps aside for the Python walk while a mode is set."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    p = nn.Parameter(torch.ones(4, dtype=BF16))
+    opt = ampfused.MasterWeights(torch.optim.SGD([p], lr=0.1))
+    scaler = ampfused.GradScaler("cpu", init_scale=4.0)
+    p.grad = torch.full((4,), 8.0, dtype=BF16)
+    scaler.scale(torch.ones(()))
+    with Record():
+        scaler.unscale_(opt)
+    assert "ampfused.unscale_into_" in seen
+    assert torch.equal(opt.master_params[0].grad, torch.full((4,), 2.0))
+
+
 def _count_master_lines(n_params: int) -> int:
     """Python lines executed in ampfused's package during a scaler's unscale_ + step + update
     of a MasterWeights over n_params float16 parameters, after zero_grad and a backward."""

@@ -136,6 +136,27 @@ def test_scale_one(device, dtype):
     assert torch.equal(g, before)  # inv == 1: written back unmultiplied
 
 
+@pytest.mark.parametrize("check_only", [False, True], ids=["write", "check_only"])
+def test_scale_one_keeps_bfloat16_denormals_under_flush_denormal(check_only):
+    """inv == 1 passes values through, never multiplies them by 1: with denormals flushed
+    (torch.set_flush_denormal(True)) a multiply would zero bfloat16 denormals, which widen to
+    float32 denormals, in the vectorized part of a run and not in its tail.  (The reference,
+    in torch ops, sees denormals as zeros then: the kernels count zeros on the stored bits.)"""
+    g = torch.full((16 * 5 + 7,), 5, dtype=torch.int16).view(torch.bfloat16)
+    plain = g.clone()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        table, _ = _run([g], scale=1.0, check_only=check_only)
+        found = torch.zeros(())
+        ops.non_finite_check_and_unscale_([plain], found, torch.ones(()))
+    finally:
+        torch.set_flush_denormal(False)
+    assert table[1, ops.STAT_FIELDS.index("zeros")].item() == 0
+    assert torch.equal(g.view(torch.int16), torch.full_like(g.view(torch.int16), 5))
+    assert torch.equal(plain.view(torch.int16), torch.full_like(g.view(torch.int16), 5))
+
+
 # scale 0.25 (inv 4 > 1): a finite input can overflow, so the CPU counts inputs in its loop
 # instead of from the stored values (inputs_countable_after_write).
 @pytest.mark.parametrize("scale", [SCALE, 0.25])

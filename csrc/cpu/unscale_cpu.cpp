@@ -116,7 +116,9 @@ AMPFUSED_AVX512 __m512 store16_avx512(void* at, __m512 u) {
 // The plain writing pass over a 16-bit run: visit<T, false> sixteen at a time (the input's
 // test on its float32 bits, which are inf/NaN exactly when the stored bits are), the last
 // elements that fill no vector through process().
-template <typename T>
+// kInvOne: the multiply-or-pass rule's pass (not a multiply by 1, which flushes a bfloat16
+// denormal to zero under torch.set_flush_denormal(True)).
+template <typename T, bool kInvOne>
 __attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float inv) {
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
@@ -126,7 +128,7 @@ __attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float 
     const __m512 v = load16_avx512<T>(p + i);
     const __m512i vb = _mm512_castps_si512(v);
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
-    store16_avx512<T>(p + i, _mm512_mul_ps(v, vinv));  // (by 1 too: see stats16_avx512)
+    store16_avx512<T>(p + i, kInvOne ? v : _mm512_mul_ps(v, vinv));
   }
   return process(p + i, n - i, static_cast<opmath_t<T>>(inv), /*check_only=*/false) || bad != 0;
 }
@@ -139,7 +141,10 @@ template <typename T>
 AMPFUSED_INLINE bool process16(T* p, int64_t n, float inv, bool check_only) {
 #ifdef AMPFUSED_HAVE_F16C_PATH
   static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512 && !check_only) return unscale16_avx512<T>(p, n, inv);
+  if (avx512 && !check_only) {
+    return inv == 1.0f ? unscale16_avx512<T, true>(p, n, inv)
+                       : unscale16_avx512<T, false>(p, n, inv);
+  }
   if constexpr (std::is_same_v<T, c10::Half>) {
     static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     if (f16c && !check_only) return unscale_half_f16c(p, n, inv);
@@ -302,7 +307,7 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-template <typename T, bool kCheckOnly, bool kCountInputs>
+template <typename T, bool kCheckOnly, bool kCountInputs, bool kInvOne>
 __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float inv, double* row) {
   static_assert(sizeof(T) == 2);
   constexpr int L = kStatLanes<T>;
@@ -330,8 +335,7 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
           for (int k = 0; k < 16; ++k) stat_count_input(to_opmath(q[l + k]), c);
         }
       }
-      // Multiplied by 1 too: exact, and a 16-bit NaN's payload is not kept anyway.
-      __m512 u = _mm512_mul_ps(v, vinv);
+      __m512 u = kInvOne ? v : _mm512_mul_ps(v, vinv);  // (kInvOne: see unscale16_avx512)
       if constexpr (!kCheckOnly) u = store16_avx512<T>(q + l, u);
       float* lane = lanes + l;
       _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
@@ -374,9 +378,15 @@ AMPFUSED_INLINE bool stats_item_any(T* p, int64_t n, opmath_t<T> inv, bool check
   if constexpr (sizeof(T) == 2) {
     static const bool avx512 = __builtin_cpu_supports("avx512f");
     if (avx512) {
-      if (check_only) return stats16_avx512<T, true, false>(p, n, inv, row);
-      return inputs_countable_after_write(inv) ? stats16_avx512<T, false, false>(p, n, inv, row)
-                                               : stats16_avx512<T, false, true>(p, n, inv, row);
+      const bool one = inv == 1.0f;
+      if (check_only) {
+        return one ? stats16_avx512<T, true, false, true>(p, n, inv, row)
+                   : stats16_avx512<T, true, false, false>(p, n, inv, row);
+      }
+      if (one) return stats16_avx512<T, false, false, true>(p, n, inv, row);
+      return inputs_countable_after_write(inv)
+                 ? stats16_avx512<T, false, false, false>(p, n, inv, row)
+                 : stats16_avx512<T, false, true, false>(p, n, inv, row);
     }
   }
   if constexpr (std::is_same_v<T, c10::Half>) {

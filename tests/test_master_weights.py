@@ -756,7 +756,8 @@ def test_walk_in_cpp_equals_python_walk(device, dtype, set_to_none, monkeypatch)
         )
         for opt in opts:
             opt.zero_grad(set_to_none)
-    assert taken and all(taken), taken
+    # (Under a torch function mode, e.g. --device-audit's, both runs take the Python walk.)
+    assert taken and (all(taken) or torch._C._is_torch_function_mode_enabled()), taken
 
 
 @pytest.mark.parametrize("case", ("conv1_channels_last", "conv_channels_last", "linear_t"))

@@ -16,7 +16,7 @@ import torch
 
 from ampfused import _C, _grad_pass, ops
 from ampfused._grad_pass import flat_params, group_index, read_param_groups
-from ampfused._scale_state import unit_state
+from ampfused._scale_state import READ_ONLY_PASS, unit_state
 from ampfused._torch_private import OptState
 from ampfused.master_weights import MasterWeights
 
@@ -105,9 +105,7 @@ def _unit_pass(dev: torch.device, optimizer: Any, tables: list) -> dict | None:
     scaler's state untouched); None where gradients need torch's walk."""
     unit = unit_state(dev)
     groups = read_param_groups(optimizer)
-    result = _C.fused_pass(
-        groups, unit, torch.empty_like(unit), 2.0, 0.5, 1, -_INF, _INF, 1, True, False, True, True
-    )
+    result = _C.fused_pass(groups, unit, torch.empty_like(unit), *READ_ONLY_PASS, True, True)
     if result is None:
         return None
     for _, _, stats, positions in result:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, _dist
-from ampfused._scale_state import STATE_SIZE, kernel_update_args
+from ampfused._scale_state import READ_ONLY_PASS, STATE_SIZE, kernel_update_args
 from ampfused._torch_private import tensor_version
 from ampfused.master_weights import MasterWeights
 
@@ -190,12 +190,7 @@ def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: i
         groups,
         state.pass_input(scale, tracker),
         scratch,
-        2.0,  # (the factors and the policy make only the unused update)
-        0.5,
-        1,
-        *state.kernel_policy,
-        True,  # check_only
-        False,
+        *READ_ONLY_PASS,
         True,  # allow_fp16: float16 gradients are what the masters' pass reads
         True,  # statistics
         _dist.dtensor_unwrap(),

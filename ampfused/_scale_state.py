@@ -404,6 +404,11 @@ def unit_state(device: torch.device) -> torch.Tensor:
     return unit
 
 
+# A read-only statistics pass's arguments after its state tensors: factors and a policy that
+# make only an update nobody reads, check_only, no accumulation.
+READ_ONLY_PASS = (2.0, 0.5, 1, float("-inf"), float("inf"), 1, True, False)
+
+
 class Pending:
     """What the fused passes of this iteration wrote into the pending update, and the inputs
     they saw, so update() can tell whether committing it equals torch's update."""

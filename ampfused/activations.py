@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, ops
-from ampfused._scale_state import unit_state
+from ampfused._scale_state import READ_ONLY_PASS, unit_state
 from ampfused._torch_private import current_graph_task_id
 from ampfused.islands import select_modules
 
@@ -34,11 +34,8 @@ __all__ = ["Tracer", "floating_tensors"]
 # What the statistics kernel reads; other floating dtypes (float8) are not recorded.
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (by range)
 # ops.scaler_pass_ without its wrapper (one call per module call): its eager entry point in _C
-# (~0.5 us, where torch.ops boxes every argument for ~4 us), else the op itself; and its
-# arguments after the table for a read-only pass (factors and policy make only the unused
-# update; check_only, no accumulation).
+# (~0.5 us, where torch.ops boxes every argument for ~4 us), else the op itself.
 _SCALER_PASS = torch.ops.ampfused.scaler_pass_.default
-_READ_ONLY = (2.0, 0.5, 1, float("-inf"), float("inf"), 1, True, False)
 _CHUNK, _FIELDS = ops.CHUNK_SIZE, len(ops.STAT_FIELDS)
 
 
@@ -171,7 +168,7 @@ class Tracer:
         if scratch is None:
             scratch = self._scratch[device] = _Scratch(device)
         table = torch.empty((rows, _FIELDS), dtype=torch.float64, device=device)
-        args = (ins + outs, scratch.found, scratch.state, scratch.next, table, *_READ_ONLY)
+        args = (ins + outs, scratch.found, scratch.state, scratch.next, table, *READ_ONLY_PASS)
         if _C.scaler_pass_(*args) is not None:  # (NotImplemented: a subclass, a mode: torch.ops)
             _SCALER_PASS(*args)
         self.now.append((name, call, direction, recompute, table, numel, dtype, input_rows))

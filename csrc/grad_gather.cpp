@@ -253,6 +253,7 @@ std::optional<std::vector<DeviceGrads>> collect(py::handle param_groups, bool al
 }
 
 namespace {
+constexpr int64_t kLongPassBytes = 1 << 20;
 
 int64_t bytes_of(at::TensorList grads) {
   int64_t bytes = 0;
@@ -261,23 +262,27 @@ int64_t bytes_of(at::TensorList grads) {
 }
 }  // namespace
 
-std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups) {
+std::optional<py::gil_scoped_release> release_gil_if_long(c10::ArrayRef<GradList*> lists) {
   int64_t bytes = 0;
-  for (const auto& g : groups) {
-    if (g.device.is_cpu()) bytes += bytes_of(g.grads);
+  for (const GradList* l : lists) {
+    // One device per list (the ops check it): its first grad's says whether it is on the CPU.
+    if (!l->grads.empty() && l->grads[0].is_cpu()) bytes += bytes_of(l->grads);
   }
   if (bytes < kLongPassBytes) return std::nullopt;
-  for (auto& g : groups) g.own_all();
+  for (GradList* l : lists) l->own_all();
   return std::make_optional<py::gil_scoped_release>();
 }
 
+std::optional<py::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups) {
+  std::vector<GradList*> lists;
+  lists.reserve(groups.size());
+  for (auto& g : groups) lists.push_back(&g);
+  return release_gil_if_long(lists);
+}
+
 std::optional<py::gil_scoped_release> release_gil_if_long(GradList& grads) {
-  // One device per call (the ops check it): the first grad's says whether this is a CPU pass.
-  if (grads.grads.empty() || !grads.grads[0].is_cpu() || bytes_of(grads.grads) < kLongPassBytes) {
-    return std::nullopt;
-  }
-  grads.own_all();
-  return std::make_optional<py::gil_scoped_release>();
+  GradList* one = &grads;  // (no allocation: the ops' eager entry points call this)
+  return release_gil_if_long(c10::ArrayRef<GradList*>(one));
 }
 
 }  // namespace ampfused

@@ -69,10 +69,10 @@ std::optional<std::vector<DeviceGrads>> collect(pybind11::handle param_groups, b
                                                 bool positions = false,
                                                 pybind11::handle unwrap = pybind11::none());
 
-// Long CPU passes (kLongPassBytes of gradients or more) run without the GIL, so other Python
-// threads (data loading) keep going; the borrowed grads become owned references first.  Short
-// passes and CUDA launches keep it.
-constexpr int64_t kLongPassBytes = 1 << 20;
+// Long CPU passes run without the GIL, so other Python threads (data loading) keep going; the
+// borrowed grads become owned references first.  Short passes and CUDA launches keep it.
+// Each list holds the grads of one device.
+std::optional<pybind11::gil_scoped_release> release_gil_if_long(c10::ArrayRef<GradList*> lists);
 std::optional<pybind11::gil_scoped_release> release_gil_if_long(std::vector<DeviceGrads>& groups);
 std::optional<pybind11::gil_scoped_release> release_gil_if_long(GradList& grads);
 

@@ -111,22 +111,9 @@ std::optional<std::vector<std::pair<at::Device, at::Tensor>>> masters_pass(
     cast_from[py::int_(i)] =
         py::make_tuple(as_py(g), py::int_(g._version()), as_py(out), py::int_(-1));
   }
-  int64_t cpu_bytes = 0;
-  for (auto& d : work) {
-    if (!d.device.is_cpu()) continue;
-    for (const GradList* l : {&d.lows, &d.outs, &d.others}) {
-      for (const at::Tensor& t : l->grads) cpu_bytes += t.nbytes();
-    }
-  }
-  std::optional<py::gil_scoped_release> no_gil;
-  if (cpu_bytes >= kLongPassBytes) {
-    for (auto& d : work) {
-      d.lows.own_all();
-      d.outs.own_all();
-      d.others.own_all();
-    }
-    no_gil.emplace();
-  }
+  std::vector<GradList*> lists;
+  for (auto& d : work) lists.insert(lists.end(), {&d.lows, &d.outs, &d.others});
+  const auto no_gil = release_gil_if_long(lists);  // (work is complete: the pointers hold)
   const at::NoGradGuard no_grad;
   std::vector<std::pair<at::Device, at::Tensor>> found;
   for (auto& d : work) {

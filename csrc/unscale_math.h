@@ -388,6 +388,15 @@ AMPFUSED_INLINE bool inputs_countable_after_write(M inv) {
   return inv > M(0) && inv <= M(1);
 }
 
+// |u| (its bits, sign cleared) into the finite abs-max, unless u is inf/NaN.
+template <typename M>
+AMPFUSED_INLINE void stat_take_finite_abs(typename StatBits<M>::type ub, StatCounts<M>& c) {
+  using B = typename StatBits<M>::type;
+  // A mask, not a select: GCC vectorizes the max reduction of this form only.
+  const B finite_abs = ub & (B{0} - static_cast<B>(ub < StatBits<M>::kInf));
+  c.abs_max_bits = c.abs_max_bits > finite_abs ? c.abs_max_bits : finite_abs;
+}
+
 // One element with statistics: x as visit() leaves it, its square added to `lane`, the counts
 // of its input and of u (StatField).  u is the value a writing pass stores, read back in
 // opmath; a check-only pass writes nothing and u is v * inv in opmath.  Without kCountInputs
@@ -414,9 +423,7 @@ AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t
   lane = stat_add(lane, stat_mul(u, u));
   const B ub = SB::of(u) & ~SB::kSign;
   c.zeros += ub == 0;
-  // A mask, not a select: GCC vectorizes the max reduction of this form only.
-  const B finite_abs = ub & (B{0} - static_cast<B>(ub < SB::kInf));
-  c.abs_max_bits = c.abs_max_bits > finite_abs ? c.abs_max_bits : finite_abs;
+  stat_take_finite_abs(ub, c);
   if (!kCountInputs) c.any_max_bits = c.any_max_bits > ub ? c.any_max_bits : ub;
 }
 

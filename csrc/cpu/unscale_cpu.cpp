@@ -359,8 +359,7 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
     count_inputs_of_run(q, m, c);  // rare: the inputs counted, the finite abs-max taken
     for (int k = 0; k < m; ++k) {
       const float u = kCheckOnly ? unscaled(to_opmath(q[k]), inv, inv_is_one) : to_opmath(q[k]);
-      const uint32_t ub = float_bits(u) & 0x7fffffffu;
-      if (ub < kFloatExpMask) c.abs_max_bits = std::max(c.abs_max_bits, ub);
+      stat_take_finite_abs(float_bits(u) & 0x7fffffffu, c);
     }
   }
   c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));

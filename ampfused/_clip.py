@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, _grad_pass, ops
-from ampfused._grad_pass import flat_params, group_index, read_param_groups
+from ampfused._grad_pass import check_optimizer, flat_params, group_index, read_param_groups
 from ampfused._scale_state import READ_ONLY_PASS, unit_state
 from ampfused._torch_private import OptState
 from ampfused.master_weights import MasterWeights
@@ -29,6 +29,14 @@ _TABLE_NORMS = (2.0, _INF)  # the norms clip_factor_ computes from the pass's st
 def clip_grad_norm_(
     scaler: Any, optimizer: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
+    # torch.nn.utils.clip_grad_norm_ takes the parameters where this takes the optimizer: refused
+    # before anything is read or recorded (the stage table is keyed by the argument's id).
+    check_optimizer(
+        optimizer,
+        "clip_grad_norm_(optimizer, max_norm)",
+        "the optimizer whose gradients to clip",
+        f"scaler.clip_grad_norm_(optimizer, {max_norm!r})",
+    )
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not scaler._enabled:
         if isinstance(optimizer, MasterWeights):

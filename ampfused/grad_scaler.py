@@ -527,6 +527,8 @@ class GradScaler(torch.amp.GradScaler):
         :meth:`grad_norms` come from the same read pass (pre-clip).
 
         Raises:
+            TypeError: ``optimizer`` is not an optimizer (``model.parameters()``, as
+                ``torch.nn.utils.clip_grad_norm_`` takes): nothing is read or changed.
             RuntimeError: ``error_if_nonfinite`` and the total norm is inf/NaN (checking costs a
                 host sync); the message names the first gradient that held inf/NaN, by the
                 name given to :meth:`watch` or else by its place in ``optimizer.param_groups``.

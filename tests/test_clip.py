@@ -29,6 +29,7 @@ with the reference and the CPU kernel.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import unittest.mock
 from collections.abc import Callable
@@ -828,6 +829,45 @@ def test_clip_after_step_raises(device):
     fused.scaler.update()
     _set_grads(runs, 1)
     fused.scaler.clip_grad_norm_(fused.opt, 1.0)  # a new iteration may clip again
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_parameters_in_the_optimizers_place_are_refused(enabled):
+    """torch.nn.utils.clip_grad_norm_'s first argument is the parameters; ours is the optimizer.
+    Handed the parameters (or the model), the scaler says so, as a TypeError, having read and
+    changed nothing; the corrected call then clips as if the wrong one had not been made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = FusedScaler("cpu", init_scale=8.0, enabled=enabled)
+    scaler.scale(model(torch.randn(4, 3)).square().sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    wrong = {
+        "model.parameters()": (model.parameters(), r"a generator \(model\.parameters\(\)\?\)"),
+        "a list of parameters": (list(model.parameters()), r"a list of tensors"),
+        "the model": (model, r"a module \(Sequential: the model\?\)"),
+        "None": (None, "None"),
+    }
+    for label, (arg, given) in wrong.items():
+        with pytest.raises(TypeError) as info:
+            scaler.clip_grad_norm_(arg, 0.5)
+        message = str(info.value)
+        assert message.startswith(
+            "clip_grad_norm_(optimizer, max_norm): expected the optimizer whose gradients to "
+            "clip, got "
+        ), (label, message)
+        assert re.search(given, message), (label, message)
+        assert message.endswith("; pass the optimizer: scaler.clip_grad_norm_(optimizer, 0.5)")
+        # (no stage recorded for the argument; a disabled scaler keeps no stages)
+        assert not getattr(scaler, "_per_optimizer_states", {}), label
+        for p, g in zip(model.parameters(), grads, strict=True):
+            _same(p.grad, g, label)
+    total = scaler.clip_grad_norm_(opt, 0.5)
+    unscaled = [g / 8.0 if enabled else g for g in grads]
+    want = torch.linalg.vector_norm(torch.stack([g.norm() for g in unscaled]))
+    assert float(total) == pytest.approx(float(want), rel=1e-6)
+    scaler.step(opt)
+    scaler.update()
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ampfused import _C
-from ampfused._grad_pass import flat_params
+from ampfused._grad_pass import describe_argument, flat_params
 from ampfused.activations import Row, Tracer
 
 __all__ = ["ActivationStats", "GradStats", "StepReport"]
@@ -399,6 +399,16 @@ def grad_norms(
     return out
 
 
+def _not_named(given: Any, detail: str = "") -> TypeError:
+    """watch()'s refusal of an argument that names no parameters."""
+    return TypeError(
+        "watch(model): expected the model whose parameters to name (a torch.nn.Module) or "
+        f"(name, parameter) pairs such as model.named_parameters(), got "
+        f"{describe_argument(given)}{detail}; pass the module that owns the optimizer's "
+        "parameters: scaler.watch(model)"
+    )
+
+
 class Watch:
     """What ``watch()`` was given (names and ranks by parameter identity; the parameters are
     kept, so an identity is never reused while watched) and the statistics tables of this
@@ -426,21 +436,25 @@ class Watch:
             raise ValueError(
                 f"watch: log_skipped must be False, 'log' or 'warn', got {log_skipped!r}"
             )
-        # (made first: its checks raise before anything is kept)
-        self.tracer = None if activations is False else Tracer(parameters, activations)
         if isinstance(parameters, torch.nn.Module):
-            parameters = parameters.named_parameters()
+            items = parameters.named_parameters()
+        else:  # (an optimizer is no iterable: refused here)
+            try:
+                items = iter(parameters)
+            except TypeError as e:
+                raise _not_named(parameters) from e
+        # (made before anything is kept: its checks raise first)
+        self.tracer = None if activations is False else Tracer(parameters, activations)
         self.names: dict[int, str] = {}
         self.order: dict[int, int] = {}
         self.params: list[torch.Tensor] = []
-        for i, item in enumerate(parameters):
+        for i, item in enumerate(items):
+            # (a tensor is no pair, though one of two rows would unpack as one)
+            pair = None if isinstance(item, torch.Tensor) else item
             try:
-                name, param = item
+                name, param = pair
             except (TypeError, ValueError) as e:
-                raise TypeError(
-                    "watch: parameters must be a torch.nn.Module or (name, parameter) pairs such "
-                    f"as model.named_parameters(); item {i} is {type(item).__name__}"
-                ) from e
+                raise _not_named(parameters, f" whose item {i} is {describe_argument(item)}") from e
             if not isinstance(param, torch.Tensor):
                 raise TypeError(
                     f"watch: the parameter named {name!r} is a {type(param).__name__}, not a tensor"

@@ -735,6 +735,10 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns:
             self, so ``scaler = GradScaler("cuda").watch(model)`` works.
+
+        Raises:
+            TypeError: ``parameters`` is neither a module nor ``(name, parameter)`` pairs (an
+                optimizer, ``model.parameters()``); the message says what was given.
         """
         watch = Watch(parameters, log_skipped, activations)
         if self._watch is not None:  # (the statistics recorded so far stay readable)

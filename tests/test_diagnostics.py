@@ -259,6 +259,49 @@ def test_watch_refuses_what_it_cannot_name() -> None:
         scaler.watch(Net()).grad_norms(norm_type=1.0)
 
 
+def test_watch_refuses_an_optimizer_and_unnamed_parameters() -> None:
+    """The natural mix-ups (the optimizer, or model.parameters(), where the model goes) are a
+    TypeError saying what was given and what to pass; the watch in force stays."""
+    model, opt, scaler = _setup("cpu")
+    kept = scaler._watch
+    pairs = nn.Linear(3, 2)  # a 2-row weight unpacks into a "pair" of rows
+    head = "watch(model): expected the model whose parameters to name (a torch.nn.Module) or "
+    fix = "; pass the module that owns the optimizer's parameters: scaler.watch(model)"
+    wrong = {
+        "the optimizer": (lambda: scaler.watch(opt), "got an optimizer (Adam)"),
+        "the optimizer, traced": (
+            lambda: scaler.watch(opt, activations=True),
+            "got an optimizer (Adam)",
+        ),
+        "model.parameters()": (
+            lambda: scaler.watch(pairs.parameters()),
+            "got a generator (model.parameters()?) whose item 0 is a tensor",
+        ),
+        "a list of parameters": (
+            lambda: scaler.watch(list(pairs.parameters())),
+            "got a list of tensors (the parameters?) whose item 0 is a tensor",
+        ),
+        "a number": (lambda: scaler.watch(3), "got an int"),  # type: ignore[arg-type]
+    }
+    for label, (call, given) in wrong.items():
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(head) and given in message, (label, message)
+        assert message.endswith(fix), (label, message)
+        assert scaler._watch is kept, label
+    # Every form that names parameters still does.
+    for good in (
+        model,
+        model.named_parameters(),
+        list(model.named_parameters()),
+        dict(model.named_parameters()).items(),
+        [("w", model.embed.weight)],
+        [],
+    ):
+        assert scaler.watch(good) is scaler
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["unscale_", "fused_optimizer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_report_equals_the_reference_bit_for_bit(

@@ -192,6 +192,8 @@ def found_inf(
         found_inf = torch.zeros((), dtype=torch.float32, device=dev)
         found = torch_walk(scaler, groups, inv, found_inf, allow_fp16)
         return agree(scaler, found, (), first_table)
+    if watch is not None and watch.name_check:  # (the first iteration under watch() only)
+        watch.check_names(groups)
     # DTensor gradients have their found_inf reduced over their meshes; a rank with no gradient
     # joins the all-reduces the ranks with gradients run (checked only then: no cost per step).
     mesh_plan = _dist.mesh_plan(unwrap[3]) if unwrap is not None and unwrap[3] else []
@@ -230,6 +232,8 @@ def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: i
     if result is None:
         watch.not_covered("torch's own unscale path", caller_depth + 1)
         return
+    if watch.name_check:
+        watch.check_names(groups)
     for _, _, stats, positions in result:
         if stats is not None:
             watch.now.append((stats, positions, groups))

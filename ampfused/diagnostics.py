@@ -12,6 +12,8 @@ reduces it there.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,8 +28,12 @@ from ampfused.activations import Row, Tracer
 __all__ = ["ActivationStats", "GradStats", "StepReport"]
 
 _LOG = logging.getLogger("ampfused")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LOG_SKIPPED = (False, "log", "warn")
 _LISTED = 5  # parameter offenders printed under a traced origin (all are in report.offenders)
+
+# Watch.name_check: whether a pass still checks that watch() named its parameters (see there).
+_CHECKED, _FIRST_PASS, _CHECKING = 0, 1, 2
 
 # (statistics table, [position, numel] per gradient, the param_groups the positions index)
 Table = tuple[torch.Tensor, torch.Tensor, Any]
@@ -399,6 +405,16 @@ def grad_norms(
     return out
 
 
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel, from the caller of this function, for the first frame
+    outside the package: the user's line, through however many of the scaler's frames (step()
+    reaches a pass through two to four)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _not_named(given: Any, detail: str = "") -> TypeError:
     """watch()'s refusal of an argument that names no parameters."""
     return TypeError(
@@ -424,6 +440,7 @@ class Watch:
         "last",
         "tracer",
         "begun",
+        "name_check",
     )
 
     def __init__(
@@ -469,6 +486,10 @@ class Watch:
         # scale() ran since the last update(): this iteration has begun, and until its pass the
         # tables at hand are the last iteration's (reading them then is refused).
         self.begun = False
+        # Whether a pass checks that its parameters have names here (check_names): _FIRST_PASS
+        # until one has, then _CHECKING for the rest of that iteration (every optimizer's pass
+        # is checked), _CHECKED from its update() on, or once the warning is given.
+        self.name_check = _FIRST_PASS
 
     def not_covered(self, path: str, caller_depth: int = 0) -> None:
         """Warns once that some gradients went through a path that records no statistics."""
@@ -482,6 +503,32 @@ class Watch:
                 RuntimeWarning,
                 stacklevel=4 + caller_depth,
             )
+
+    def check_names(self, groups: Any) -> None:
+        """Warns, once, when parameters with gradients in a pass have no name from watch():
+        the reports would number them.  Called by the passes of the first iteration under this
+        watch() only, so later steps pay nothing per parameter."""
+        self.name_check = _CHECKING
+        graded = [(i, p) for i, p in enumerate(flat_params(groups)) if p.grad is not None]
+        unnamed = [(i, p) for i, p in graded if id(p) not in self.names]
+        if not unnamed:
+            return
+        self.name_check = _CHECKED
+        n, total = len(unnamed), len(graded)
+        some = f"{n} of this optimizer's {total} parameters with gradients have no name"
+        if n == total:
+            some = f"none of this optimizer's {total} parameters with gradients has a name"
+        listed = ", ".join(f"<param {i}> (shape {tuple(p.shape)})" for i, p in unnamed[:_LISTED])
+        if n > _LISTED:
+            listed += f" and {n - _LISTED} more"
+        warnings.warn(
+            f"ampfused GradScaler.watch: {some} from the watched module(s), so report() and "
+            f"grad_norms() number them: {listed}.  Watch the module that owns the optimizer's "
+            "parameters (scaler.watch(model), the model the optimizer was built from), or add "
+            "them as (name, parameter) pairs.  (Given once per watch().)",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
 
     def _passes(self, method: str) -> list[tuple[torch.Tensor, torch.Tensor, list]]:
         """The current iteration's tables, or else the last one's, with flat parameter lists;
@@ -529,6 +576,8 @@ class Watch:
         reported when watch(log_skipped=...) asked for it."""
         self.last, self.now = self.now, []
         self.begun = False
+        if self.name_check == _CHECKING:
+            self.name_check = _CHECKED
         if self.tracer is not None:
             self.tracer.close_iteration()
         if not self.log_skipped or not self.last:

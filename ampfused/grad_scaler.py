@@ -721,7 +721,8 @@ class GradScaler(torch.amp.GradScaler):
         Args:
             parameters: a module (its ``named_parameters()``) or ``(name, parameter)`` pairs,
                 named once; parameters of the optimizer not given here are reported as
-                ``"<param N>"``.
+                ``"<param N>"``, and the first pass under this watch() that meets such
+                parameters with gradients says which, once, in a ``UserWarning``.
             log_skipped: also report every skipped step: ``"log"`` (``logging`` warning on the
                 ``"ampfused"`` logger), ``"warn"`` (``warnings.warn``) or False.  Either costs a
                 sync in every :meth:`update` (to learn whether the step was skipped).

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import sys
+import unittest.mock
 import warnings
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 import ampfused
-from ampfused.diagnostics import StepReport
+from ampfused.diagnostics import StepReport, Watch
 
 INIT_SCALE = 2.0**12
 
@@ -238,7 +239,8 @@ def test_parameters_not_watched_are_numbered() -> None:
     model, opt, scaler = _setup("cpu")
     scaler.watch([("the embedding", model.embed.weight)])
     _backward(model, scaler, "cpu", torch.float32)
-    scaler.unscale_(opt)
+    with pytest.warns(UserWarning, match=r"7 of this optimizer's 8 parameters .* have no name"):
+        scaler.unscale_(opt)
     report = scaler.report()
     assert report is not None
     names = [g.name for g in report.grads]
@@ -300,6 +302,104 @@ def test_watch_refuses_an_optimizer_and_unnamed_parameters() -> None:
         [],
     ):
         assert scaler.watch(good) is scaler
+
+
+@pytest.mark.parametrize("watched", ["another module", "no parameters", "some parameters"])
+def test_watch_warns_once_of_parameters_it_does_not_name(watched: str) -> None:
+    """watch() of a module the optimizer's parameters are not in (or of too few of them): the
+    first pass says which gradients the reports will number, at the caller's line; no later
+    step does."""
+    model, opt, scaler = _setup("cpu")
+    target = {
+        "another module": nn.Linear(6, 8),
+        "no parameters": nn.GELU(),
+        "some parameters": model.block,
+    }[watched]
+    scaler.watch(target)
+    expected = {
+        "another module": r"none of this optimizer's 8 parameters with gradients has a name",
+        "no parameters": r"none of this optimizer's 8 parameters with gradients has a name",
+        "some parameters": r"4 of this optimizer's 8 parameters with gradients have no name",
+    }[watched]
+    _backward(model, scaler, "cpu", torch.float32)
+    with pytest.warns(UserWarning, match=expected) as record:
+        line = sys._getframe().f_lineno + 1
+        scaler.step(opt)
+    assert len(record) == 1
+    text = str(record[0].message)
+    assert (record[0].filename, record[0].lineno) == (__file__, line)
+    assert "report() and grad_norms() number them: <param " in text
+    assert "Watch the module that owns the optimizer's parameters (scaler.watch(model)" in text
+    numbered = [g.name for g in scaler.report().grads if g.name.startswith("<param ")]
+    listed = numbered[:5] + ([f"and {len(numbered) - 5} more"] if len(numbered) > 5 else [])
+    assert all(name in text for name in listed), (listed, text)
+    scaler.update()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            opt.zero_grad()
+            _backward(model, scaler, "cpu", torch.float32)
+            scaler.step(opt)
+            scaler.update()
+
+
+def _counted_name_checks() -> Any:
+    """Watch.check_names, its calls counted."""
+    return unittest.mock.patch.object(
+        Watch, "check_names", autospec=True, side_effect=Watch.check_names
+    )
+
+
+def test_watch_checks_every_optimizer_of_the_first_iteration_only() -> None:
+    """Two optimizers, the second's parameters not watched: its pass warns, though the first
+    optimizer's came first and was named.  From the second iteration on no pass looks at the
+    names (no Python work per parameter), whatever it holds."""
+    model, _, scaler = _setup("cpu")
+    opt_a = torch.optim.SGD(model.embed.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model.head.parameters(), lr=0.1)
+
+    def iteration(expect_warning: bool) -> None:
+        _backward(model, scaler, "cpu", torch.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scaler.step(opt_a)
+        if expect_warning:
+            with pytest.warns(UserWarning, match=r"none of .* 2 parameters .*<param 0>"):
+                scaler.step(opt_b)
+        else:
+            scaler.step(opt_b)
+        scaler.update()
+        model.zero_grad()
+
+    scaler.watch(model.embed)
+    with _counted_name_checks() as check_names:
+        for step in range(3):
+            iteration(expect_warning=step == 0)
+    assert check_names.call_count == 2  # the two passes of the first iteration
+    scaler.watch(model)  # a new watch() checks again, and finds every name
+    with warnings.catch_warnings(), _counted_name_checks() as check_names:
+        warnings.simplefilter("error")
+        for _ in range(3):
+            iteration(expect_warning=False)
+    assert check_names.call_count == 2
+    scaler.watch(nn.GELU())  # neither optimizer named: one warning for the two passes
+    _backward(model, scaler, "cpu", torch.float32)
+    with pytest.warns(UserWarning, match="none of this optimizer's") as record:
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+    assert len(record) == 1 and "<param 0> (shape (8, 6))" in str(record[0].message)
+    scaler.update()
+
+
+def test_master_weights_watch_of_another_module_warns() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
+    opt = ampfused.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = ampfused.GradScaler("cpu", init_scale=64.0).watch(nn.Linear(4, 4))
+    scaler.scale(model(torch.randn(3, 4).half()).float().sum()).backward()
+    with pytest.warns(UserWarning, match=r"none of this optimizer's 4 parameters .* <param 3>"):
+        scaler.step(opt)
+    scaler.update()
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unscale_", "fused_optimizer"])

@@ -425,6 +425,29 @@ def _not_named(given: Any, detail: str = "") -> TypeError:
     )
 
 
+def _not_read_yet(method: str, any_pass: bool) -> RuntimeError:
+    """report()'s and grad_norms()' refusal where no statistics of the iteration asked about
+    exist yet: before any pass under watch(), or (any_pass) between this iteration's scale()
+    and its pass, where the tables at hand are the last iteration's."""
+    if any_pass:
+        when = (
+            "after scaler.scale(loss) and before this iteration's pass, so the statistics at "
+            "hand are the last iteration's"
+        )
+        fix = (
+            "Call it after scaler.unscale_(optimizer) or scaler.step(optimizer) for this "
+            "iteration's, or before scaler.scale(loss) for the last one's (report().step says "
+            "which iteration a report is)."
+        )
+    else:
+        when = "before any pass under watch(), so there are no statistics yet"
+        fix = "Call it after scaler.unscale_(optimizer) or scaler.step(optimizer)."
+    return RuntimeError(
+        f"{method}() was called {when}.  {fix}  (If the pass ran, its gradients took a path "
+        "that records no statistics: see the warning watch() gave.)"
+    )
+
+
 class Watch:
     """What ``watch()`` was given (names and ranks by parameter identity; the parameters are
     kept, so an identity is never reused while watched) and the statistics tables of this
@@ -532,23 +555,15 @@ class Watch:
 
     def _passes(self, method: str) -> list[tuple[torch.Tensor, torch.Tensor, list]]:
         """The current iteration's tables, or else the last one's, with flat parameter lists;
-        refused between this iteration's scale() and its pass, where they would be the last
-        iteration's figures read as this one's."""
-        if self.begun and not self.now:
-            raise RuntimeError(
-                f"{method}() was called after scaler.scale(loss) and before this iteration's "
-                "pass, so the statistics at hand are the last iteration's.  Call it after "
-                "scaler.unscale_(optimizer) or scaler.step(optimizer) for this iteration's, or "
-                "before scaler.scale(loss) for the last one's (report().step says which "
-                "iteration a report is).  (If the pass ran, its gradients took a path that "
-                "records no statistics: see the warning watch() gave.)"
-            )
+        refused before any pass under watch() (there are none), and between this iteration's
+        scale() and its pass, where they would be the last iteration's figures read as this
+        one's."""
+        if not self.now and (self.begun or not self.last):
+            raise _not_read_yet(method, any_pass=bool(self.last))
         return [(t, pn, flat_params(groups)) for t, pn, groups in self.now or self.last]
 
-    def report(self) -> StepReport | None:
+    def report(self) -> StepReport:
         passes = self._passes("report")
-        if not passes:
-            return None
         activations = None
         if self.tracer is not None:  # the same iteration as the parameters' tables
             activations = read_activations(self.tracer.now if self.now else self.tracer.last)
@@ -567,8 +582,6 @@ class Watch:
 
     def grad_norms(self, group_separator: str) -> dict[str, float]:
         passes = self._passes("grad_norms")
-        if not passes:
-            return {}
         return grad_norms(passes, self.names, self.order, group_separator)
 
     def close_iteration(self) -> None:
@@ -583,7 +596,7 @@ class Watch:
         if not self.log_skipped or not self.last:
             return
         report = self.report()
-        if report is not None and report.skipped:
+        if report.skipped:
             if self.log_skipped == "warn":
                 warnings.warn(str(report), RuntimeWarning, stacklevel=3)
             else:

@@ -757,19 +757,20 @@ class GradScaler(torch.amp.GradScaler):
         self._watch = None
 
     @not_traced_eager
-    def report(self) -> StepReport | None:
+    def report(self) -> StepReport:
         """The statistics of the current iteration's passes (between :meth:`unscale_` and
-        :meth:`update`) or else of the last completed iteration, by parameter name; None before
-        any pass under :meth:`watch`.  Syncs: one device-to-host copy per device.
+        :meth:`update`) or else of the last completed iteration, by parameter name.  Syncs: one
+        device-to-host copy per device.
 
         ``print(report)`` names where an overflow started (with ``watch(activations=...)``),
         then the gradients that held inf/NaN, first offender first; ``report.grads`` holds
         every parameter's :class:`ampfused.diagnostics.GradStats`.
 
         Raises:
-            RuntimeError: without :meth:`watch`, as :meth:`grad_norms`; between
-                :meth:`scale` and this iteration's pass, where the figures at hand are the
-                last iteration's (``report().step`` says which iteration a report is).
+            RuntimeError: without :meth:`watch`, as :meth:`grad_norms`; before the first pass
+                under :meth:`watch` (there are no statistics yet); between :meth:`scale` and
+                this iteration's pass, where the figures at hand are the last iteration's
+                (``report().step`` says which iteration a report is).
         """
         return self._watching("report").report()
 
@@ -778,9 +779,9 @@ class GradScaler(torch.amp.GradScaler):
         """Per-parameter L2 norms of the unscaled gradients and their total, keyed as
         Lightning's ``grad_norm`` keys them (``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``),
         as Python floats from one device-to-host copy: ready for ``self.log_dict``, W&B or
-        TensorBoard.  Needs :meth:`watch`; empty before the first pass; refused between
-        :meth:`scale` and this iteration's pass, as :meth:`report`.  Syncs.  Under FSDP or
-        tensor parallelism, the norms of this rank's shards."""
+        TensorBoard.  Needs :meth:`watch`; refused before the first pass under it and between
+        :meth:`scale` and this iteration's pass, as :meth:`report` (a RuntimeError).  Syncs.
+        Under FSDP or tensor parallelism, the norms of this rank's shards."""
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"grad_norms: the fused pass computes L2 norms only (norm_type=2.0), got "

@@ -556,6 +556,34 @@ def test_master_weights_pass_records_the_float16_gradients() -> None:
     scaler.update()
 
 
+def test_reading_before_the_first_pass_is_refused() -> None:
+    """Before any pass under watch() there is nothing to report: both readers refuse, with the
+    refusal they give between scale() and a pass, saying that no pass has run yet (report()
+    used to return None, grad_norms() {})."""
+    model, opt, scaler = _setup("cpu")
+    no_pass = (
+        r"^{}\(\) was called before any pass under watch\(\), so there are no statistics yet\. "
+        r" Call it after scaler\.unscale_\(optimizer\) or scaler\.step\(optimizer\)\."
+    )
+    for read in (scaler.report, scaler.grad_norms):
+        with pytest.raises(RuntimeError, match=no_pass.format(read.__name__)):
+            read()
+    _backward(model, scaler, "cpu", torch.float32)  # scale(): still no pass
+    for read in (scaler.report, scaler.grad_norms):
+        with pytest.raises(RuntimeError, match=no_pass.format(read.__name__)):
+            read()
+    scaler.unscale_(opt)
+    assert scaler.report().step == 0 and scaler.grad_norms()
+    scaler.step(opt)
+    scaler.update()
+    scaler.watch(model)  # a new watch() keeps the statistics recorded so far
+    assert scaler.report().step == 0
+    scaler.unwatch()
+    scaler.watch(model)  # after unwatch(), none
+    with pytest.raises(RuntimeError, match=no_pass.format("report")):
+        scaler.report()
+
+
 def test_reading_before_this_iterations_pass_is_refused() -> None:
     model, opt, scaler = _setup("cpu")
     _backward(model, scaler, "cpu", torch.float32)

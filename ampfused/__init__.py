@@ -25,6 +25,9 @@ Which file holds what, from the top down (a module imports only modules below it
     _extension           where the kernels come from (_build_config, _build_check: the build)
 """
 
+# The package's version, in one place: pyproject.toml's metadata reads it from here.
+__version__ = "0.1.0"
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from ampfused import _extension
@@ -42,7 +45,6 @@ else:
     from ampfused import reference
     from ampfused._no_kernels import GradScaler, MasterWeights, OptState
 
-__version__ = "0.1.0"
 WITH_CUDA: bool = bool(_C.with_cuda)
 
 __all__ = [

@@ -77,7 +77,7 @@ struct ClipParams {
 };
 
 AMPFUSED_INLINE float clip_div(float a, float b) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __fdiv_rn(a, b);
 #else
   return a / b;

@@ -24,6 +24,18 @@
 #define AMPFUSED_INLINE inline __attribute__((always_inline))
 #endif
 
+// CUDA's rounding intrinsics and bit casts (__fmul_rn, __float_as_uint, ...): nvcc's device pass
+// has them; the host execution layer (AMPFUSED_HOST_CUDA, tests only) defines them on the host,
+// so the device branches below run in CI too; the CPU build takes the plain branches.
+#if defined(__CUDA_ARCH__)
+#define AMPFUSED_CUDA_INTRINSICS 1
+#elif defined(AMPFUSED_HOST_CUDA)
+#include "host_cuda/intrinsics.h"
+#define AMPFUSED_CUDA_INTRINSICS 1
+#else
+#define AMPFUSED_CUDA_INTRINSICS 0
+#endif
+
 namespace ampfused {
 
 // ---------------------------------------------------------------------------------------------
@@ -80,7 +92,7 @@ using opmath_t = typename OpMathOf<T>::type;
 // Bits: exact whatever the compiler flags (fast-math may assume finite values)
 
 AMPFUSED_INLINE uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __float_as_uint(x);
 #else
   uint32_t u;
@@ -89,7 +101,7 @@ AMPFUSED_INLINE uint32_t float_bits(float x) {
 #endif
 }
 AMPFUSED_INLINE float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __uint_as_float(u);
 #else
   float x;
@@ -98,7 +110,7 @@ AMPFUSED_INLINE float bits_float(uint32_t u) {
 #endif
 }
 AMPFUSED_INLINE uint64_t double_bits(double x) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return static_cast<uint64_t>(__double_as_longlong(x));
 #else
   uint64_t u;
@@ -297,28 +309,28 @@ constexpr int kStatLanes = kStatThreads * kStatVec<T>;
 // Multiply and add, each rounded: never contracted into an FMA (CUDA's _rn intrinsics; the CPU
 // sources are compiled with -ffp-contract=off, setup.py), so the sums match the reference.
 AMPFUSED_INLINE float stat_mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __fmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
 AMPFUSED_INLINE float stat_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __fadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
 AMPFUSED_INLINE double stat_mul(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __dmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
 AMPFUSED_INLINE double stat_add(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
   return __dadd_rn(a, b);
 #else
   return a + b;
@@ -342,7 +354,7 @@ struct StatBits<double> {
   static constexpr uint64_t kInf = kDoubleExpMask;
   static AMPFUSED_INLINE uint64_t of(double x) { return double_bits(x); }
   static AMPFUSED_INLINE double value(uint64_t b) {
-#if defined(__CUDA_ARCH__)
+#if AMPFUSED_CUDA_INTRINSICS
     return __longlong_as_double(static_cast<long long>(b));
 #else
     double x;

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -30,8 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 
 
+def _has_fma() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return True  # aarch64 and the others: FMA is part of the base instruction set
+    try:
+        return " fma" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# nvcc contracts a * b + c into an FMA by default (--fmad=true), where the CPU build of the same
+# per-element code is compiled with -ffp-contract=off: the layer contracts as nvcc does, so plain
+# arithmetic in the kernels that the _rn intrinsics should hold apart shows as a mismatch with
+# the CPU kernels.  Without FMA on this CPU nothing is contracted (CONTRACTS_FMA is False).
+CONTRACTS_FMA = _has_fma()
+CONTRACTION_FLAGS = ["-ffp-contract=fast"] + (
+    ["-mfma"] if CONTRACTS_FMA and platform.machine() in ("x86_64", "AMD64") else []
+)
+
+
 def _key(extension: Path) -> str:
     h = hashlib.sha256()
+    h.update(" ".join(CONTRACTION_FLAGS).encode())
     for path in sorted(CSRC.rglob("*")):
         if path.is_file() and path.suffix in (".h", ".cuh", ".cu", ".cpp"):
             h.update(str(path.relative_to(CSRC)).encode())
@@ -57,7 +78,7 @@ def load():  # noqa: ANN201  (torch.ops namespace objects have no public type)
         "-O2",
         "-DAMPFUSED_HOST_CUDA",
         "-DAMPFUSED_WITH_CUDA",  # the headers' declarations of the CUDA launchers
-        "-ffp-contract=off",  # as setup.py builds the CPU kernels: no FMA contraction
+        *CONTRACTION_FLAGS,
         # The layer's copies of the kernels' inline code and of the launchers bind within it,
         # never to the ampfused extension's own (a CUDA build exports launch_pass_cuda too).
         "-fvisibility=hidden",

@@ -57,20 +57,88 @@ def schedule(request: pytest.FixtureRequest, host) -> str:  # noqa: ANN001
 
 
 # ------------------------------------------------------------------------------------ helpers
+GUARD = 64  # bytes of 0xA5 before and after every copied storage (a multiple of 16)
+INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class Arena:
+    """Copies of tensors with their values, dtypes, storage offsets and strides (a misaligned or
+    strided view stays one, at the same alignment), their storages laid one after another in
+    one storage, each with GUARD bytes of 0xA5 before and after it, so a write past a tensor's
+    storage lands in a guard."""
+
+    def __init__(self, ts: list[torch.Tensor]) -> None:
+        pieces, self.at, pos = [], [], GUARD
+        guard = torch.full((GUARD,), 0xA5, dtype=torch.uint8)
+        for t in ts:
+            raw = _bytes(t.untyped_storage())
+            pad = -raw.numel() % GUARD
+            pieces += [guard, raw, torch.full((pad,), 0xA5, dtype=torch.uint8)]
+            self.at.append(pos)
+            pos += raw.numel() + pad + GUARD
+        self.bytes = torch.cat([*pieces, guard]) if ts else guard.clone()
+        self.meta = [
+            (t.dtype, t.element_size(), t.storage_offset(), t.size(), t.stride()) for t in ts
+        ]
+        self.elements = self._views(self.bytes, as_int=True)
+
+    def _views(self, buf: torch.Tensor, as_int: bool = False) -> list[torch.Tensor]:
+        """The tensors over `buf` (an arena's bytes), or their elements seen as integers."""
+        flat: dict[torch.dtype, torch.Tensor] = {}
+        out = []
+        for (dtype, elem, offset, size, stride), a in zip(self.meta, self.at, strict=True):
+            dtype = INT_OF_SIZE[elem] if as_int else dtype
+            if dtype not in flat:
+                flat[dtype] = buf.view(dtype)
+            out.append(flat[dtype].as_strided(size, stride, offset + a // elem))
+        return out
+
+    def copy(self) -> list[torch.Tensor]:
+        """A fresh copy of the tensors (in a fresh storage)."""
+        return self._views(self.bytes.clone())
+
+    def assert_outside_unchanged(self, ts: list[torch.Tensor], what: str) -> None:
+        """No byte of the copy `ts` (made by copy()) outside its tensors' elements, guards
+        included, changed: with the elements put back as they were, the bytes are the
+        original's."""
+        if not ts:
+            return
+        now = _bytes(ts[0].untyped_storage()).clone()
+        for restored, original in zip(self._views(now, as_int=True), self.elements, strict=True):
+            restored.copy_(original)
+        if not torch.equal(now, self.bytes):
+            raise AssertionError(
+                f"{what}: {int((now != self.bytes).sum())} bytes outside the tensors' elements "
+                "changed: a write out of bounds"
+            )
+
+
 def copy_of(t: torch.Tensor) -> torch.Tensor:
-    """A tensor with t's values, dtype, storage offset and strides in storage of its own (a
-    misaligned or strided view stays one)."""
-    storage = t.untyped_storage()
-    out = torch.empty(0, dtype=t.dtype)
-    out.set_(storage.clone(), t.storage_offset(), t.size(), t.stride())
+    return Arena([t]).copy()[0]
+
+
+def arenas_of(args: list[Any]) -> list[Arena | None]:
+    """An Arena per tensor or list argument (one storage per list), None for the others."""
+    return [
+        Arena(a) if isinstance(a, list) else Arena([a]) if torch.is_tensor(a) else None
+        for a in args
+    ]
+
+
+def copy_args(args: list[Any], arenas: list[Arena | None]) -> list[Any]:
+    out = []
+    for a, arena in zip(args, arenas, strict=True):
+        out.append(a if arena is None else arena.copy() if isinstance(a, list) else arena.copy()[0])
     return out
 
 
 def copies(args: list[Any]) -> list[Any]:
-    return [
-        [copy_of(t) for t in a] if isinstance(a, list) else copy_of(a) if torch.is_tensor(a) else a
-        for a in args
-    ]
+    """Copies of an op's arguments: each list in one storage, each tensor in its own."""
+    return copy_args(args, arenas_of(args))
 
 
 def tensors_of(args: list[Any]) -> list[torch.Tensor]:
@@ -86,8 +154,7 @@ def tensors_of(args: list[Any]) -> list[torch.Tensor]:
 def bits(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return t.reshape(-1).view(torch.uint8)
-    view = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
-    return t.contiguous().view(view)
+    return t.contiguous().view(INT_OF_SIZE[t.element_size()])
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str, any_nan: bool = False) -> None:
@@ -109,21 +176,30 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str, any_nan: bool 
 
 def run_three(host, name: str, args: list[Any], oracles: tuple[str, ...] | None = None):  # noqa: ANN001, ANN201
     """Runs op `name` as the host-executed CUDA code, then each oracle, on copies of `args`;
-    asserts every tensor argument ends with the same bits.  Returns the host run's arguments.
+    asserts every tensor argument ends with the same bits, and that no run changed a byte of
+    a tensor's storage outside its view, nor the guards around it.  Returns the host run's
+    arguments.
     By default the oracles are the CPU kernels and the reference; past 300 tensors the CPU
     kernels only (the reference's Python loop would dominate; test_ops.py holds the CPU kernels
     to the reference on such sets)."""
     if oracles is None:
         oracles = ("cpu",) if len(tensors_of(args)) > 300 else ("cpu", "reference")
-    runs = {"cuda (host)": copies(args)}
-    getattr(host, name)(*runs["cuda (host)"])
     impls: dict[str, Callable[..., Any]] = {
+        "cuda (host)": getattr(host, name),
         "cpu": getattr(torch.ops.ampfused, name),
         "reference": getattr(reference, name),
     }
+    runs = {}
+    arenas = arenas_of(args)
+    for impl in ("cuda (host)", *oracles):
+        runs[impl] = copy_args(args, arenas)
+        impls[impl](*runs[impl])
+        for k, (a, arena) in enumerate(zip(runs[impl], arenas, strict=True)):
+            if arena is not None:
+                arena.assert_outside_unchanged(
+                    a if isinstance(a, list) else [a], f"{name} ({impl}), argument {k}"
+                )
     for oracle in oracles:
-        runs[oracle] = copies(args)
-        impls[oracle](*runs[oracle])
         for k, (got, want) in enumerate(
             zip(tensors_of(runs["cuda (host)"]), tensors_of(runs[oracle]), strict=True)
         ):
@@ -241,6 +317,31 @@ def test_unscale_family(host, schedule: str, grad_set: str, specials: str) -> No
             run_three(host, "unscale_update_scale_", args + [2.0, 0.5, 5, check_only, accumulate])
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=str)
+def test_items_shorter_than_their_peel(host, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """Views at every element offset within a 16-byte line, of every length up to two lines
+    (items shorter than, as long as and longer than the scalar head before their first 16-byte
+    boundary), and tensors whose last chunk is shorter than its head: every element access
+    stays in its item (the layer checks each) and no byte outside a view changes (a flat
+    gradient buffer's next gradient lives there)."""
+    host.configure(dtype.itemsize, 3, 5, False)
+    per_line = 16 // dtype.itemsize
+    base = _values(CHUNK + 4 * per_line, dtype, 9)
+    views = [base[o : o + n] for o in range(per_line) for n in range(1, 2 * per_line + 1)]
+    # The last chunk (CHUNK elements on, as aligned as the view) one element shorter than the
+    # head that alignment asks for.
+    views += [base[o : o + CHUNK + per_line - o - 1] for o in range(2, per_line)]
+    views = with_specials(views, "early")
+    run_three(host, "non_finite_check_and_unscale_", [views, torch.zeros(1), torch.tensor([0.37])])
+    nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+    for table in (None, _stats_table(views)):
+        args = [views, torch.zeros(1), state(2.0**10), nxt, table, 2.0, 0.5, 3, -INF, INF, 1]
+        run_three(host, "scaler_pass_", args + [False, False], ("cpu",))
+    if dtype != F64:
+        out = [torch.full(v.shape, -7.0) for v in views]
+        run_three(host, "unscale_into_", [views, out, torch.zeros(1), torch.tensor([0.37])])
+
+
 @pytest.mark.parametrize("grad_set", list(GRAD_SETS))
 def test_scaler_pass(host, schedule: str, grad_set: str) -> None:  # noqa: ANN001
     grads = with_specials(GRAD_SETS[grad_set](), "late" if "launch" in grad_set else "clean")
@@ -331,6 +432,62 @@ def test_shared_workspace_is_left_zeroed(host) -> None:  # noqa: ANN001
                 run_three(
                     host, "scaler_pass_", args + [2.0, 0.5, 3, -INF, INF, 1, True, False], ("cpu",)
                 )
+
+
+@pytest.mark.parametrize("in_flight", [3, 8])
+def test_last_block_hand_off_under_interleavings(host, in_flight: int) -> None:  # noqa: ANN001
+    """Passes of 16 one-item blocks, `in_flight` at a time, interleaved by the seed at every
+    workspace access, atomic and fence (the layer's scheduling points), with writes reaching
+    memory late (its relaxed model): each pass's last block must see the flag of every block
+    (one item holds a NaN, a different block's each pass) and leave the stream's shared
+    workspace zeroed for the next pass.  A counter updated without an atomic, read apart from
+    its increment, or incremented before the block's flag is published and fenced fails here."""
+    clean = [_values(5, F32, k) for k in range(16)]
+    switched = 0
+    for seed in range(24):
+        host.configure(1000 * in_flight + seed, in_flight, 16, False)
+        grads = [copy_of(g) for g in clean]
+        if seed % 8 != 7:  # one clean pass in eight
+            grads[(5 * seed) % 16][seed % 5] = NAN
+        for accumulate in (False, True):
+            nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+            args = [grads, torch.full((1,), 3.0), state(2.0**16, 2, 1), nxt, None]
+            run_three(host, "scaler_pass_", args + [2.0, 0.5, 3, -INF, INF, 1, True, accumulate])
+        launches, blocks, _, _, points, switches = host.counters()
+        assert (launches, blocks) == (2, 32) and points >= 2 * blocks, host.counters()
+        switched += switches
+    assert switched > 24 * 2 * 16, switched  # the blocks really interleaved
+
+
+def test_captured_pass_owns_its_workspace(host) -> None:  # noqa: ANN001
+    """A pass captured in a graph (one launch) is held with its blocks half run, as a replay on
+    another stream may be, while eager passes run on the stream: their results and the
+    captured pass's, once finished, must all be intact.  They are only if the captured pass
+    holds a workspace of its own (an eager pass would otherwise count the captured pass's
+    finished blocks as its own and take its flag)."""
+    overflowing = with_specials([_values(9, F32, k) for k in range(7)], "early")
+    for g in overflowing:
+        g[4] = INF  # every item, so whichever blocks run first set the flag
+    clean = [_values(9, F32, 50 + k) for k in range(7)]
+
+    def pass_args(grads: list[torch.Tensor]) -> list[Any]:
+        nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+        args = [grads, torch.full((1,), 3.0), state(2.0**16, 2, 1), nxt, None]
+        return args + [2.0, 0.5, 3, -INF, INF, 1, False, False]
+
+    for held_blocks in (1, 3, 6):
+        host.configure(held_blocks, 2, 7, True)
+        captured = copies(pass_args(overflowing))
+        host.hold_next_launch(held_blocks)
+        host.scaler_pass_(*captured)  # returns with 7 - held_blocks blocks still to run
+        host.configure(held_blocks, 2, 7, False)
+        for grads in (clean, overflowing, clean):
+            run_three(host, "scaler_pass_", pass_args(grads), ("cpu",))
+        host.release_held()
+        want = copies(pass_args(overflowing))
+        torch.ops.ampfused.scaler_pass_(*want)
+        for k, (got, exp) in enumerate(zip(tensors_of(captured), tensors_of(want), strict=True)):
+            assert_same(got, exp, f"captured pass held after {held_blocks} blocks: tensor {k}")
 
 
 def test_scaler_update(host) -> None:  # noqa: ANN001
@@ -443,6 +600,41 @@ def test_layer_reports_divergent_barriers_and_deadlocks(host) -> None:  # noqa: 
         host.selftest("divergent")
     with pytest.raises(RuntimeError, match="deadlock"):
         host.selftest("half_warp")
+
+
+def test_layer_delays_unfenced_stores_between_blocks(host) -> None:  # noqa: ANN001
+    """Each of 4 blocks stores to its own word and counts itself finished; the last reads all
+    four.  Without a __threadfence before the count some reads see the old value (stores reach
+    other blocks late), with it none do; the seeded interleaving really switches blocks."""
+    for seed in range(3):
+        host.configure(seed, 2, 4, False)
+        assert host.selftest("publish")[0] > 0, seed
+        assert host.selftest("publish_with_fence")[0] == 0, seed
+        assert host.counters()[5] > 0, host.counters()
+
+
+def test_layer_reports_plain_access_to_an_atomic_word(host) -> None:  # noqa: ANN001
+    host.configure(0, 2, 3, False)
+    with pytest.raises(RuntimeError, match="non-atomic access to an atomically used address"):
+        host.selftest("plain_and_atomic")
+
+
+def test_layer_reports_out_of_bounds_accesses(host) -> None:  # noqa: ANN001
+    """The layer's bounds check itself: one element read past a 5-element float item."""
+    host.configure(0, 1, 1, False)
+    with pytest.raises(RuntimeError, match="out-of-bounds access: 4 bytes at byte 20 of a work "):
+        host.selftest("past_the_item")
+
+
+def test_layer_contracts_as_nvcc_and_keeps_the_rn_intrinsics_apart(host) -> None:  # noqa: ANN001
+    """(1 + 2^-12)^2 - (1 + 2^-11): plain arithmetic is fused here as nvcc fuses it (2^-24,
+    the exact result), the _rn intrinsics round each step (0), as on a GPU."""
+    import host_cuda
+
+    host.configure(0, 1, 1, False)
+    plain, rounded = host.selftest("fma")
+    assert rounded == 0
+    assert plain == (0x33800000 if host_cuda.CONTRACTS_FMA else 0)
 
 
 # ----------------------------------------------------------------------- every kernel, executed

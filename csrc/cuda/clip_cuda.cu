@@ -12,9 +12,10 @@ namespace {
 __global__ void __launch_bounds__(kTotalLanes) clip_factor_kernel(const ClipParams p) {
   __shared__ StatTotal lanes[kTotalLanes];
   const int l = static_cast<int>(threadIdx.x);
+  const auto rows = rt::bounded(p.rows, p.num_rows * kStatFields);
   StatTotal t = {};
   for (int64_t r = l; r < p.num_rows; r += kTotalLanes) {
-    stat_total_add_row(t, p.rows + r * kStatFields);
+    stat_total_add_row(t, rt::slice(rows, r * kStatFields, kStatFields));
   }
   lanes[l] = t;
   for (int h = kTotalLanes / 2; h > 0; h /= 2) {

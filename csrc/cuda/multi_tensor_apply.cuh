@@ -24,7 +24,9 @@ namespace cuda {
 constexpr int kBlockSize = 512;
 constexpr int kVecBytes = 16;                   // one 16-byte load/store per thread per vector
 constexpr int kUnroll = 4;                      // vectors in flight per thread
-constexpr int kWorkspaceInts = 2;               // [0] found flag, [1] finished-block counter
+constexpr int kWorkspaceWords = 2;              // rt::Words: kFoundFlag, kBlocksDone
+constexpr int kFoundFlag = 0;                   // 1 once a block of the pass saw inf/NaN
+constexpr int kBlocksDone = 1;                  // blocks of the last launch that finished
 constexpr size_t kMaxKernelParamBytes = 32764;  // CUDA 12.1+, compute capability 7.0+
 constexpr size_t kMaxStreamWorkspaces = 64;     // eager workspaces kept, one per stream
 
@@ -39,8 +41,8 @@ enum class Epilogue : int32_t {
 template <typename Pass, int64_t kCapacity>
 struct LaunchArgs {
   Pass pass;
-  int* workspace;      // kWorkspaceInts zeros on entry to a pass, left zero by its kFinish launch
-  int64_t first_item;  // the pass's index of items[0] (its grad_stats row is 1 + first_item)
+  rt::Word* workspace;  // kWorkspaceWords zeros on entry to a pass, left zero by its kFinish launch
+  int64_t first_item;   // the pass's index of items[0] (its grad_stats row is 1 + first_item)
   int32_t num_items;
   Epilogue epilogue;
   WorkItem items[kCapacity];
@@ -57,8 +59,14 @@ struct LaunchArgs {
 // - a pass under CUDA graph capture: the zero fill is captured with it, so each replay starts
 //   from zeros, and no eager pass or other graph can touch it while a replay runs.
 inline at::Tensor pass_workspace(const at::Tensor& like, rt::Stream stream, bool one_launch) {
-  const auto zeros = [&] { return at::zeros({kWorkspaceInts}, like.options().dtype(at::kInt)); };
-  if (!one_launch || rt::capturing()) return zeros();
+  static_assert(sizeof(rt::Word) == sizeof(int32_t), "a workspace word is an int32 element");
+  const auto zeros = [&] { return at::zeros({kWorkspaceWords}, like.options().dtype(at::kInt)); };
+  if (rt::capturing()) {
+    at::Tensor own = zeros();
+    rt::graph_owns(own);
+    return own;
+  }
+  if (!one_launch) return zeros();
   static std::mutex mu;
   static std::vector<std::tuple<int, rt::Stream, at::Tensor>> per_stream;
   const int device = rt::device_of(like);

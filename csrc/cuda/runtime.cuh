@@ -63,6 +63,29 @@ int64_t resident_blocks(int device, int block) {
   return blocks;
 }
 
+// Under capture the graph owns `t`: the caching allocator keeps a block freed during capture in
+// the capture's private pool for the graph's lifetime, so nothing is needed here (the host layer
+// keeps the tensor itself).
+inline void graph_owns(const at::Tensor&) {}
+
+// A word of global memory through which the blocks of one launch communicate (the last-block
+// hand-off's flag and counter): accessed with atomics, ordered by __threadfence.  The host
+// layer's Word models the accesses (a relaxed memory model, plain-vs-atomic races).
+using Word = unsigned int;
+
+// The `n` elements of a work item at p.  The host layer checks every access against them.
+template <typename T>
+__device__ __forceinline__ T* bounded(T* p, int64_t /*n*/) {
+  return p;
+}
+
+// The `count` elements at p + offset, as a plain pointer (the host layer checks they lie within
+// p's elements).
+template <typename T>
+__device__ __forceinline__ T* slice(T* p, int64_t offset, int64_t /*count*/) {
+  return p + offset;
+}
+
 // `p` as a pointer to `count` vectors V (16-byte loads and stores): a GPU faults with
 // "misaligned address" where one is accessed and p is not aligned to V; the host layer raises.
 template <typename V, typename T>

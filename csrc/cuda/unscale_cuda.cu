@@ -24,16 +24,18 @@ struct alignas(sizeof(T) * N) Vec {
 
 // n <= kChunkSize, so every index of an item fits in int.
 template <typename T, bool kCheckOnly>
-__device__ bool process_chunk(T* p, int n, opmath_t<T> inv, bool inv_is_one) {
+__device__ bool process_chunk(T* data, int n, opmath_t<T> inv, bool inv_is_one) {
   constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
   constexpr int kStride = kBlockSize;  // every launch uses kBlockSize threads
   using V = Vec<T, kVec>;
   // Item pointers reach us as void*: without this the compiler emits generic LD/ST.
-  __builtin_assume(__isGlobal(p));
+  __builtin_assume(__isGlobal(data));
+  const auto p = rt::bounded(data, n);
   bool bad = false;
   // Items start at multiples of kChunkSize elements, so an item is as aligned as its tensor;
-  // peel the elements before the first 16-byte boundary.
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  // peel the elements before the first 16-byte boundary (all of them, in an item shorter than
+  // its peel: a few 16-bit elements at an odd offset).
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(data);
   int head = static_cast<int>(((kVecBytes - addr % kVecBytes) % kVecBytes) / sizeof(T));
   if (addr % sizeof(T) != 0 || head > n) head = n;
   const int nvec = (n - head) / kVec;
@@ -42,7 +44,7 @@ __device__ bool process_chunk(T* p, int n, opmath_t<T> inv, bool inv_is_one) {
 
   for (int i = tid; i < head; i += kStride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
 
-  V* vp = rt::vectors<V>(p + head, nvec);
+  const auto vp = rt::vectors<V>(p + head, nvec);
   for (int base = tid; base < nvec; base += kStride * kUnroll) {
     V r[kUnroll];
 #pragma unroll
@@ -73,18 +75,19 @@ static_assert(kBlockSize == kStatThreads && kVecBytes == kStatVecBytes,
               "grad_stats' summation order assumes one lane group per thread and 16-byte vectors");
 
 template <typename T, bool kCheckOnly>
-__device__ bool process_chunk_stats(T* p, int n, opmath_t<T> inv, bool inv_is_one, double* row) {
+__device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is_one, double* row) {
   using M = opmath_t<T>;
   using B = typename StatBits<M>::type;
   constexpr int kVec = kStatVec<T>;
   using V = Vec<T, kVec>;
-  __builtin_assume(__isGlobal(p));
+  __builtin_assume(__isGlobal(data));
+  const auto p = rt::bounded(data, n);
   const int tid = static_cast<int>(threadIdx.x);
   M lanes[kVec] = {};
   StatCounts<M> c;
   const int nfull = n / kVec;
-  if (reinterpret_cast<uintptr_t>(p) % kVecBytes == 0) {
-    V* vp = rt::vectors<V>(p, nfull);
+  if (reinterpret_cast<uintptr_t>(data) % kVecBytes == 0) {
+    const auto vp = rt::vectors<V>(p, nfull);
     // Increasing u is increasing i for this thread: each lane still adds in element order.
     for (int base = tid; base < nfull; base += kBlockSize * kUnroll) {
       V r[kUnroll];
@@ -221,24 +224,27 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
     if (bad && threadIdx.x == 0) *k.pass.found_inf = 1.0f;
     return;
   }
-  int* ws = k.workspace;
+  rt::Word* ws = k.workspace;
   if (k.epilogue == Epilogue::kAccumulate) {
     // The kernel boundary orders this before the reads of the pass's kFinish launch.
-    if (bad && threadIdx.x == 0) atomicOr(&ws[0], 1);
+    if (bad && threadIdx.x == 0) atomicOr(&ws[kFoundFlag], 1u);
     return;
   }
+  // The last block to finish sees every block's flag: each block ORs its flag in, fences, and
+  // only then counts itself finished, so the block whose count completes the grid reads the
+  // flags of all the others.  Every access to the workspace is atomic.
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
-    if (bad) atomicOr(&ws[0], 1);
+    if (bad) atomicOr(&ws[kFoundFlag], 1u);
     __threadfence();  // publish this block's flag before it counts as finished
-    const unsigned int done = atomicAdd(reinterpret_cast<unsigned int*>(&ws[1]), 1u);
+    const unsigned done = atomicAdd(&ws[kBlocksDone], 1u);
     is_last = (done == gridDim.x - 1);
   }
   __syncthreads();
   if (is_last && threadIdx.x == 0) {
     __threadfence();
-    const bool found = atomicExch(&ws[0], 0) != 0;
-    ws[1] = 0;  // leave the workspace zeroed for the next pass on this stream
+    const bool found = atomicExch(&ws[kFoundFlag], 0u) != 0;
+    atomicExch(&ws[kBlocksDone], 0u);  // zeroed for the next pass on this stream
     finish_pass(found, k.pass);
   }
 }
@@ -260,7 +266,7 @@ void launch(const KernelArgs<kCapacity>& k, bool float_only, int device, rt::Str
 
 // One launch: the next items of `plan`, as many as the class kCapacity holds.
 template <int64_t kCapacity>
-void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, int* workspace,
+void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, rt::Word* workspace,
                   int device, rt::Stream stream) {
   static_assert(sizeof(KernelArgs<kCapacity>) <= kMaxKernelParamBytes,
                 "kernel parameters over the CUDA limit: lower the largest kLaunchCapacities");
@@ -298,7 +304,8 @@ void launch_pass_cuda(const std::vector<Span>& spans, const PassParams& args,
   const bool one_launch = plan.total_items() <= kLaunchCapacities.back();
   const at::Tensor workspace =
       hand_off ? cuda::pass_workspace(any_device_tensor, stream, one_launch) : at::Tensor();
-  int* ws = hand_off ? workspace.mutable_data_ptr<int>() : nullptr;
+  cuda::rt::Word* ws =
+      hand_off ? reinterpret_cast<cuda::rt::Word*>(workspace.mutable_data_ptr<int>()) : nullptr;
   constexpr auto kCap = kLaunchCapacities;
   static_assert(kCap.size() == 2, "one branch per launch capacity");
   do {

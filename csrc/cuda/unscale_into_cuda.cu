@@ -45,10 +45,10 @@ static_assert(sizeof(IntoArgs<kIntoLarge>) <= kMaxKernelParamBytes,
 
 template <typename T>
 __device__ uint32_t into_item(const IntoItem& w, float inv, bool inv_is_one) {
-  const T* in = static_cast<const T*>(w.in);
-  float* out = w.out;
-  uint32_t bad = 0;
   const int n = static_cast<int>(w.numel);
+  const auto in = rt::bounded(static_cast<const T*>(w.in), n);
+  const auto out = rt::bounded(w.out, n);
+  uint32_t bad = 0;
   for (int i = static_cast<int>(threadIdx.x); i < n; i += kIntoBlockSize) {
     bad |= visit_into(in[i], out[i], inv, inv_is_one);
   }

@@ -45,7 +45,7 @@ std::vector<std::string> kernels_launched() {
 
 std::vector<int64_t> counters() {
   const hostcuda::Counters c = hostcuda::counters();
-  return {c.launches, c.blocks, c.phases, c.shuffles};
+  return {c.launches, c.blocks, c.phases, c.shuffles, c.points, c.switches};
 }
 
 }  // namespace
@@ -71,5 +71,7 @@ TORCH_LIBRARY(ampfused_host, m) {
   m.def("configure(int seed, int blocks_in_flight, int resident_blocks, bool capturing) -> ()",
         &ampfused::configure);
   m.def("counters() -> int[]", &ampfused::counters);
+  m.def("hold_next_launch(int blocks) -> ()", &ampfused::hostcuda::hold_next_launch);
+  m.def("release_held() -> ()", &ampfused::hostcuda::release_held);
   m.def("kernels_launched() -> str[]", &ampfused::kernels_launched);
 }

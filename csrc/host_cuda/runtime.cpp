@@ -14,11 +14,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -35,7 +37,8 @@ constexpr size_t kStackBytes = 256 * 1024;  // a thread's frames plus a copy of 
 std::mutex config_mu;
 Config current_config;
 std::atomic<int64_t> launch_counter{0};
-std::atomic<int64_t> n_launches{0}, n_blocks{0}, n_phases{0}, n_shuffles{0};
+std::atomic<int64_t> n_launches{0}, n_blocks{0}, n_phases{0}, n_shuffles{0}, n_points{0},
+    n_switches{0};
 std::mutex kernels_mu;
 std::map<std::string, int64_t> kernels;  // launches per kernel instantiation
 
@@ -465,6 +468,258 @@ std::vector<std::pair<std::string, int64_t>> kernels_launched() {
   return {kernels.begin(), kernels.end()};
 }
 
+namespace {
+
+// A launch's blocks, run `in_flight` at a time by as many OS threads ("workers").  Between
+// scheduling points the workers run in parallel; each point waits for its worker's turn, does
+// its memory operation and hands the turn to a worker chosen by the launch's generator, so the
+// points of a launch happen one at a time in a seeded order, and the whole run is reproducible
+// from the seed.
+class LaunchRun {
+ public:
+  LaunchRun(uint64_t seed, int workers) : rng_(seed), live_(workers, 1), n_live_(workers) {
+    turn_ = static_cast<int>(rng_() % static_cast<uint64_t>(workers));
+  }
+
+  // Runs op(*this) at the calling worker's next scheduling point.
+  template <typename Op>
+  auto at_point(Op&& op) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return turn_ == this_worker_; });
+    n_points.fetch_add(1, std::memory_order_relaxed);
+    if (!pending_.empty() && rng_() % 3 == 0) flush_one(rng_() % pending_.size());
+    if constexpr (std::is_void_v<decltype(op(*this))>) {
+      op(*this);
+      pass_turn();
+    } else {
+      auto result = op(*this);
+      pass_turn();
+      return result;
+    }
+  }
+
+  // The calling worker has no block left: its last point.
+  void leave() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return turn_ == this_worker_; });
+    live_[this_worker_] = 0;
+    if (--n_live_ > 0) pass_turn();
+  }
+
+  // The memory operations, called by at_point's op (the turn held).
+  unsigned load(const Word* w, unsigned block) {
+    use(w, false, block);
+    flush_own(block, w);
+    return *memory(w);
+  }
+  void queue(Word* w, WordOp op, unsigned value, unsigned block, bool atomic) {
+    use(w, atomic, block);
+    pending_.push_back({block, w, op, value});
+  }
+  unsigned perform(Word* w, WordOp op, unsigned value, unsigned block) {
+    use(w, true, block);
+    flush_own(block, w);
+    const unsigned old = *memory(w);
+    apply(w, op, value);
+    return old;
+  }
+  void fence(unsigned block) { flush_own(block, nullptr); }
+  // The launch's end: every queued write reaches memory (the kernel boundary).
+  void finish() {
+    while (!pending_.empty()) flush_one(rng_() % pending_.size());
+  }
+
+  std::string violation;  // the first non-atomic access to an atomically used address
+  static thread_local LaunchRun* current;
+  static thread_local int this_worker_;
+
+ private:
+  struct Pending {
+    unsigned block;
+    Word* word;
+    WordOp op;
+    unsigned value;
+  };
+  struct Use {
+    bool atomic = false;
+    bool plain = false;
+  };
+
+  static unsigned* memory(const Word* w) {
+    return reinterpret_cast<unsigned*>(const_cast<Word*>(w));
+  }
+  static void apply(Word* w, WordOp op, unsigned value) {
+    unsigned* m = memory(w);
+    switch (op) {
+      case WordOp::kStore:
+      case WordOp::kExch:
+        *m = value;
+        break;
+      case WordOp::kOr:
+        *m |= value;
+        break;
+      case WordOp::kAdd:
+        *m += value;
+        break;
+    }
+  }
+  void use(const Word* w, bool atomic, unsigned block) {
+    Use& u = uses_[w];
+    (atomic ? u.atomic : u.plain) = true;
+    if (u.atomic && u.plain && violation.empty()) {
+      violation = "host CUDA layer, block " + std::to_string(block) +
+                  ": non-atomic access to an atomically used address (an rt::Word that this "
+                  "launch accesses both with atomics and with plain loads or stores: a race on "
+                  "a GPU)";
+    }
+  }
+  // Writes entry i, or the oldest entry of its block to the same address (program order per
+  // address is kept; across addresses any order).
+  void flush_one(size_t i) {
+    const Pending e = pending_[i];
+    for (size_t j = 0; j < i; ++j) {
+      if (pending_[j].block == e.block && pending_[j].word == e.word) {
+        i = j;
+        break;
+      }
+    }
+    apply(pending_[i].word, pending_[i].op, pending_[i].value);
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  // Every queued write of `block` (to `w` only, unless null), in a seeded order.
+  void flush_own(unsigned block, const Word* w) {
+    for (;;) {
+      std::vector<size_t> mine;
+      for (size_t j = 0; j < pending_.size(); ++j) {
+        if (pending_[j].block == block && (w == nullptr || pending_[j].word == w))
+          mine.push_back(j);
+      }
+      if (mine.empty()) return;
+      flush_one(mine[rng_() % mine.size()]);
+    }
+  }
+  void pass_turn() {
+    int k = static_cast<int>(rng_() % static_cast<uint64_t>(n_live_));
+    int next = 0;
+    for (int i = 0; i < static_cast<int>(live_.size()); ++i) {
+      if (live_[i] && k-- == 0) {
+        next = i;
+        break;
+      }
+    }
+    if (next != turn_) n_switches.fetch_add(1, std::memory_order_relaxed);
+    turn_ = next;
+    cv_.notify_all();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::mt19937_64 rng_;
+  std::vector<char> live_;
+  int n_live_;
+  int turn_ = 0;
+  std::vector<Pending> pending_;
+  std::map<const Word*, Use> uses_;
+};
+thread_local LaunchRun* LaunchRun::current = nullptr;
+thread_local int LaunchRun::this_worker_ = 0;
+
+LaunchRun& current_launch(const char* what) {
+  TORCH_CHECK(LaunchRun::current != nullptr && this_block != nullptr, "host CUDA layer: ", what,
+              " called outside a kernel");
+  return *LaunchRun::current;
+}
+unsigned current_block() { return this_block->block_idx_.x; }
+
+// Runs the blocks order[0..count) of a <<<grid, block>>> launch, in_flight at a time.
+void run_blocks(const std::function<void()>& body, unsigned grid, unsigned block,
+                const std::vector<unsigned>& order, uint64_t seed, int in_flight) {
+  const unsigned count = static_cast<unsigned>(order.size());
+  const int workers =
+      static_cast<int>(std::max(1u, std::min(count, static_cast<unsigned>(in_flight))));
+  LaunchRun run(mix(seed ^ 0x5bd1e995u), workers);
+  std::atomic<bool> stop{false};
+  std::mutex error_mu;
+  std::string error;
+  // Worker w runs blocks order[w], order[w + workers], ...: which worker runs which block is
+  // fixed by the seed, and starting a block needs no point.
+  const auto worker = [&](int w) {
+    LaunchRun::current = &run;
+    LaunchRun::this_worker_ = w;
+    for (unsigned k = static_cast<unsigned>(w); k < count && !stop.load();
+         k += static_cast<unsigned>(workers)) {
+      try {
+        BlockRun b(Dim3{order[k], 1, 1}, Dim3{block, 1, 1}, Dim3{grid, 1, 1}, body,
+                   mix(seed + order[k] + 1));
+        b.run();
+      } catch (const std::exception& e) {
+        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (error.empty()) error = c10_error ? c10_error->what_without_backtrace() : e.what();
+        stop.store(true);  // stop starting blocks
+      }
+    }
+    run.leave();
+    LaunchRun::current = nullptr;
+  };
+  std::vector<std::thread> others;
+  for (int t = 1; t < workers; ++t) others.emplace_back(worker, t);
+  worker(0);
+  for (std::thread& t : others) t.join();
+  run.finish();
+  TORCH_CHECK(error.empty(), error);
+  TORCH_CHECK(run.violation.empty(), run.violation);
+}
+
+// A launch held by hold_next_launch: the blocks still to run.
+struct Held {
+  std::function<void()> body;
+  unsigned grid = 0, block = 0;
+  std::vector<unsigned> order;
+  uint64_t seed = 0;
+  int in_flight = 1;
+};
+std::mutex held_mu;
+int64_t hold_blocks = -1;  // the next launch's blocks to run before it is held; -1: none
+std::optional<Held> held;
+std::vector<at::Tensor> graph_tensors;
+
+}  // namespace
+
+unsigned word_load(const Word* w) {
+  LaunchRun& run = current_launch("a load of an rt::Word");
+  const unsigned b = current_block();
+  return run.at_point([&](LaunchRun& r) { return r.load(w, b); });
+}
+void word_store(Word* w, unsigned value) {
+  LaunchRun& run = current_launch("a store to an rt::Word");
+  const unsigned b = current_block();
+  run.at_point([&](LaunchRun& r) { r.queue(w, WordOp::kStore, value, b, false); });
+}
+unsigned word_atomic(Word* w, WordOp op, unsigned value) {
+  LaunchRun& run = current_launch("an atomic");
+  const unsigned b = current_block();
+  return run.at_point([&](LaunchRun& r) { return r.perform(w, op, value, b); });
+}
+void word_post(Word* w, WordOp op, unsigned value) noexcept {
+  // Only ever called by a kernel's atomic (current_launch cannot fail there).
+  LaunchRun& run = *LaunchRun::current;
+  const unsigned b = current_block();
+  run.at_point([&](LaunchRun& r) { r.queue(w, op, value, b, true); });
+}
+void threadfence() {
+  LaunchRun& run = current_launch("__threadfence");
+  const unsigned b = current_block();
+  run.at_point([&](LaunchRun& r) { r.fence(b); });
+}
+
+void out_of_bounds(const void* at, size_t bytes, const void* lo, const void* hi) {
+  const auto a = reinterpret_cast<intptr_t>(at), l = reinterpret_cast<intptr_t>(lo);
+  TORCH_CHECK(false, "host CUDA layer: out-of-bounds access: ", bytes, " bytes at byte ", a - l,
+              " of a work item of ", reinterpret_cast<intptr_t>(hi) - l,
+              " bytes (a GPU reads or writes another tensor's memory here; memcheck reports it)");
+}
+
 void launch(const char* kernel, unsigned grid, unsigned block, const std::function<void()>& body) {
   TORCH_CHECK(grid >= 1 && block >= 1 && block <= 1024, "host CUDA layer: invalid launch <<<", grid,
               ", ", block, ">>>");
@@ -487,32 +742,44 @@ void launch(const char* kernel, unsigned grid, unsigned block, const std::functi
   std::shuffle(order.begin(), order.end(), rng);
   n_launches.fetch_add(1, std::memory_order_relaxed);
   n_blocks.fetch_add(grid, std::memory_order_relaxed);
+  const int in_flight = std::max(1, c.blocks_in_flight);
+  int64_t hold = -1;
+  {
+    std::lock_guard<std::mutex> lock(held_mu);
+    std::swap(hold, hold_blocks);
+  }
+  if (hold >= 0 && hold < static_cast<int64_t>(grid)) {
+    const std::vector<unsigned> first(order.begin(), order.begin() + hold);
+    if (!first.empty()) run_blocks(body, grid, block, first, seed, in_flight);
+    std::lock_guard<std::mutex> lock(held_mu);
+    TORCH_CHECK(!held, "host CUDA layer: a launch is held already (release_held first)");
+    held = Held{body,
+                grid,
+                block,
+                std::vector<unsigned>(order.begin() + hold, order.end()),
+                mix(seed + 0x9e37u),
+                in_flight};
+    return;
+  }
+  run_blocks(body, grid, block, order, seed, in_flight);
+}
 
-  std::atomic<unsigned> next{0};
-  std::mutex error_mu;
-  std::string error;
-  const auto worker = [&] {
-    for (unsigned k; (k = next.fetch_add(1)) < grid;) {
-      try {
-        BlockRun b(Dim3{order[k], 1, 1}, Dim3{block, 1, 1}, Dim3{grid, 1, 1}, body,
-                   mix(seed + order[k] + 1));
-        b.run();
-      } catch (const std::exception& e) {
-        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-        std::lock_guard<std::mutex> lock(error_mu);
-        if (error.empty()) error = c10_error ? c10_error->what_without_backtrace() : e.what();
-        next.store(grid);  // stop handing out blocks
-        return;
-      }
-    }
-  };
-  const unsigned in_flight =
-      std::max(1u, std::min(grid, static_cast<unsigned>(std::max(1, c.blocks_in_flight))));
-  std::vector<std::thread> others;
-  for (unsigned t = 1; t < in_flight; ++t) others.emplace_back(worker);
-  worker();
-  for (std::thread& t : others) t.join();
-  TORCH_CHECK(error.empty(), error);
+void hold_next_launch(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0, "host CUDA layer: hold_next_launch takes a block count >= 0");
+  std::lock_guard<std::mutex> lock(held_mu);
+  hold_blocks = blocks;
+}
+
+void release_held() {
+  std::optional<Held> h;
+  std::vector<at::Tensor> kept;
+  {
+    std::lock_guard<std::mutex> lock(held_mu);
+    TORCH_CHECK(held, "host CUDA layer: no launch is held");
+    h.swap(held);
+    kept.swap(graph_tensors);
+  }
+  run_blocks(h->body, h->grid, h->block, h->order, h->seed, h->in_flight);
 }
 
 void configure(const Config& config) {
@@ -521,7 +788,7 @@ void configure(const Config& config) {
   std::lock_guard<std::mutex> lock(config_mu);
   current_config = config;
   launch_counter = 0;
-  n_launches = n_blocks = n_phases = n_shuffles = 0;
+  n_launches = n_blocks = n_phases = n_shuffles = n_points = n_switches = 0;
 }
 
 Config config() {
@@ -530,8 +797,18 @@ Config config() {
 }
 
 Counters counters() {
-  return Counters{n_launches.load(), n_blocks.load(), n_phases.load(), n_shuffles.load()};
+  return Counters{n_launches.load(), n_blocks.load(), n_phases.load(),
+                  n_shuffles.load(), n_points.load(), n_switches.load()};
 }
 
 }  // namespace hostcuda
+
+namespace cuda {
+namespace rt {
+void graph_owns(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(hostcuda::held_mu);
+  hostcuda::graph_tensors.push_back(t);
+}
+}  // namespace rt
+}  // namespace cuda
 }  // namespace ampfused

@@ -15,14 +15,29 @@
 //   forgotten barrier reads stale shared memory;
 // - __shfl_xor_sync exchanges values between the 32 lanes of a warp (the lanes of `mask` must
 //   all take part, at the same call), with CUDA's `width` rule;
-// - atomics and __threadfence are the CPU's sequentially consistent ones;
-// - the blocks of a launch run in a seeded random order, `blocks_in_flight` of them at once on
-//   as many OS threads (real concurrency for the last-block hand-off);
-// - a launch returns when every block has finished (a stream's launches run one after another).
+// - the blocks of a launch start in a seeded random order, `blocks_in_flight` of them at once
+//   on as many OS threads; they run in parallel between scheduling points (a block's start and
+//   end, every access to an rt::Word, every atomic and __threadfence), and at each point one
+//   block in flight, chosen by the seed, goes on: the points of a launch run one at a time in a
+//   seeded interleaving, so a race between blocks is tried, and reproduced by its seed;
+// - global words (rt::Word, below) follow a relaxed memory model: a plain store or a posted
+//   atomic reaches other blocks only when flushed (in a seeded order, at the latest at the
+//   writer's next __threadfence or the launch's end), and an address used both atomically and
+//   plainly in one launch is reported;
+// - every element access of a work item (rt::bounded, rt::vectors) is checked against the item:
+//   an out-of-bounds access is reported, as a misaligned vector access is;
+// - unscale_math.h's device-only branches are compiled, over host definitions of CUDA's
+//   rounding intrinsics (intrinsics.h), and plain float arithmetic is contracted into FMAs as
+//   nvcc's default --fmad=true does (tests/host_cuda.py builds with -ffp-contract=fast and -mfma
+//   where the CPU has FMA);
+// - a launch returns when every block has finished (a stream's launches run one after another),
+//   unless it was held (hold_next_launch: the rest of its blocks run at release_held, as a
+//   replayed graph's may while other work runs).
 // The kernel parameters are passed by value to every thread, as CUDA passes them.
 //
-// What it cannot show: nvcc's code generation, the GPU's memory model (weaker than x86's), real
-// warp-synchronous execution inside a phase, and timing.  Those stay for a GPU (.ci/gpu).
+// What it cannot show: nvcc's code generation beyond FMA contraction, the GPU's memory model
+// beyond rt::Word (plain memory shared between blocks is not modeled: the kernels share none),
+// real warp-synchronous execution inside a phase, and timing.  Those stay for a GPU (.ci/gpu).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -95,13 +110,21 @@ void configure(const Config& config);
 Config config();
 // Launches, blocks and barrier phases run since the last configure(), for tests to check that a
 // kernel really ran as they meant it to (how many launches a pass took, ...).
+// points: scheduling points between blocks; switches: points after which another block went on.
 struct Counters {
   int64_t launches = 0;
   int64_t blocks = 0;
   int64_t phases = 0;
   int64_t shuffles = 0;
+  int64_t points = 0;
+  int64_t switches = 0;
 };
 Counters counters();
+
+// The next launch runs `blocks` of its blocks (in its seeded order) and returns; release_held()
+// runs the rest.  Tensors given to rt::graph_owns meanwhile are kept until then.
+void hold_next_launch(int64_t blocks);
+void release_held();
 
 template <typename T>
 T shfl_xor_sync(unsigned mask, T value, int lane_mask, int width, const char* site) {
@@ -133,20 +156,106 @@ T shfl_xor_sync(unsigned mask, T value, int lane_mask, const char* site) {
 #define __shfl_xor_sync(mask, value, ...) \
   ::ampfused::hostcuda::shfl_xor_sync((mask), (value), __VA_ARGS__, AMPFUSED_HOSTCUDA_SITE)
 
-// Atomics: the CPU's, sequentially consistent (stronger than CUDA's relaxed device atomics).
-inline int atomicOr(int* p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicOr(unsigned* p, unsigned v) {
-  return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+// ---------------------------------------------------------------- global words and atomics
+// rt::Word: a word of global memory through which the blocks of a launch communicate (the
+// last-block hand-off's flag and counter).  Every access to one is a scheduling point of the
+// launch (runtime.cpp: another block in flight may run there) and goes through the layer's
+// memory model:
+// - a plain store, and an atomic whose result is not used (the GPU posts it: RED), enter the
+//   writing block's queue and reach memory later, in a seeded random order (program order per
+//   address), at the latest at the block's next __threadfence or at the end of the launch; until
+//   then other blocks read the older value;
+// - a plain load, and an atomic whose result is used, see the block's own queued writes to that
+//   address first (per-address coherence), then memory;
+// - an address that a launch accesses both atomically and plainly is reported ("non-atomic
+//   access to an atomically used address"), as racecheck reports shared memory.
+// Atomics on any other memory do not compile here, so every atomic of csrc/cuda/ is on a Word.
+namespace ampfused {
+namespace hostcuda {
+
+class Word;
+enum class WordOp : uint8_t { kStore, kOr, kAdd, kExch };
+unsigned word_load(const Word* w);
+void word_store(Word* w, unsigned value);
+unsigned word_atomic(Word* w, WordOp op, unsigned value);     // performed now, old value returned
+void word_post(Word* w, WordOp op, unsigned value) noexcept;  // queued (result unused)
+void threadfence();
+
+class Word {
+ public:
+  Word() = delete;  // only ever a view of device memory (a workspace tensor's int32 elements)
+  Word(const Word&) = delete;
+  operator unsigned() const { return word_load(this); }
+  Word& operator=(unsigned value) {
+    word_store(this, value);
+    return *this;
+  }
+
+ private:
+  unsigned bits_;
+};
+static_assert(sizeof(Word) == sizeof(unsigned), "a Word is one 32-bit word of memory");
+
+// What an atomic returns: performed when its value is read, queued (posted) when it is not.
+class AtomicResult {
+ public:
+  AtomicResult(Word* w, WordOp op, unsigned value) : w_(w), op_(op), value_(value) {}
+  AtomicResult(const AtomicResult&) = delete;
+  AtomicResult& operator=(const AtomicResult&) = delete;
+  ~AtomicResult() {
+    if (!used_) word_post(w_, op_, value_);
+  }
+  operator unsigned() {
+    used_ = true;
+    return word_atomic(w_, op_, value_);
+  }
+
+ private:
+  Word* w_;
+  WordOp op_;
+  unsigned value_;
+  bool used_ = false;
+};
+
+// A pointer to the `n` elements of a work item whose every access is checked against them:
+// "out-of-bounds access" is reported, as a misaligned vector access is.
+void out_of_bounds(const void* at, size_t bytes, const void* lo, const void* hi);
+template <typename T>
+class Bounded {
+ public:
+  Bounded(T* p, const void* lo, const void* hi) : p_(p), lo_(lo), hi_(hi) {}
+  T& operator[](int64_t i) const {
+    T* at = p_ + i;
+    const auto a = reinterpret_cast<uintptr_t>(at);
+    if (a < reinterpret_cast<uintptr_t>(lo_) || a + sizeof(T) > reinterpret_cast<uintptr_t>(hi_)) {
+      out_of_bounds(at, sizeof(T), lo_, hi_);
+    }
+    return *at;
+  }
+  Bounded operator+(int64_t k) const { return Bounded(p_ + k, lo_, hi_); }
+  T* get() const { return p_; }
+  const void* lo() const { return lo_; }
+  const void* hi() const { return hi_; }
+
+ private:
+  T* p_;
+  const void* lo_;
+  const void* hi_;
+};
+
+}  // namespace hostcuda
+}  // namespace ampfused
+
+inline ::ampfused::hostcuda::AtomicResult atomicOr(::ampfused::hostcuda::Word* p, unsigned v) {
+  return {p, ::ampfused::hostcuda::WordOp::kOr, v};
 }
-inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+inline ::ampfused::hostcuda::AtomicResult atomicAdd(::ampfused::hostcuda::Word* p, unsigned v) {
+  return {p, ::ampfused::hostcuda::WordOp::kAdd, v};
 }
-inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicExch(unsigned* p, unsigned v) {
-  return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+inline ::ampfused::hostcuda::AtomicResult atomicExch(::ampfused::hostcuda::Word* p, unsigned v) {
+  return {p, ::ampfused::hostcuda::WordOp::kExch, v};
 }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { ::ampfused::hostcuda::threadfence(); }
 
 // --------------------------------------------------------------------------- the seam
 namespace ampfused {
@@ -169,11 +278,34 @@ inline Stream current_stream(int) {
 
 inline bool capturing() { return hostcuda::config().capturing; }
 
-// As a GPU faults on a misaligned vector access ("misaligned address"), the layer raises.
+// Under capture the graph owns `t` (the caching allocator's capture pool does so on a GPU): the
+// layer keeps it while a captured launch is held (hostcuda::hold_next_launch).
+void graph_owns(const at::Tensor& t);
+
+using Word = hostcuda::Word;
+
+// The `n` elements at p, every access checked (out of bounds: reported).
+template <typename T>
+hostcuda::Bounded<T> bounded(T* p, int64_t n) {
+  return hostcuda::Bounded<T>(p, p, p + n);
+}
+
+// The `count` elements at p + offset, checked, as a plain pointer.
+template <typename T>
+T* slice(const hostcuda::Bounded<T>& p, int64_t offset, int64_t count) {
+  if (count > 0) {
+    (void)p[offset];
+    (void)p[offset + count - 1];
+  }
+  return p.get() + offset;
+}
+
+// As a GPU faults on a misaligned vector access ("misaligned address"), the layer raises; the
+// vectors keep the item's bounds.
 template <typename V, typename T>
-V* vectors(T* p, int count) {
-  if (count > 0) hostcuda::check_aligned(p, alignof(V));
-  return reinterpret_cast<V*>(p);
+hostcuda::Bounded<V> vectors(const hostcuda::Bounded<T>& p, int count) {
+  if (count > 0) hostcuda::check_aligned(p.get(), alignof(V));
+  return hostcuda::Bounded<V>(reinterpret_cast<V*>(p.get()), p.lo(), p.hi());
 }
 
 template <auto kKernel>
@@ -182,9 +314,10 @@ int64_t resident_blocks(int, int) {
 }
 
 // __PRETTY_FUNCTION__ names kKernel's instantiation ("[with auto kKernel = ...").
+// The parameters are copied into the launch (a held launch outlives the caller's frame).
 template <auto kKernel, typename... Args>
 void launch(unsigned grid, unsigned block, Stream, const Args&... args) {
-  hostcuda::launch(__PRETTY_FUNCTION__, grid, block, [&] { kKernel(args...); });
+  hostcuda::launch(__PRETTY_FUNCTION__, grid, block, [args...] { kKernel(args...); });
 }
 
 }  // namespace rt

@@ -8,7 +8,8 @@
 - ``workloads``     shape lists (GPT-2, Llama, ResNet-50, BERT, ViT) and gradient sets
 - ``timing``        interleaved timing: per step (CPU) and batched (GPU)
 - ``suite``         one workload's methods timed into records; profiler and bytecode counts
-- ``report``        number formats, tables, plots; ``targets`` our own performance targets
+- ``report``        number formats, tables, plots
+- ``targets``       our own performance targets: checked on a run's records, their table
 - ``compare``       results.jsonl, and ``python -m benchmarks.compare OLD NEW``
 - ``env``           the environment header and device helpers
 

@@ -278,7 +278,7 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
     for kind, results in (("CPU", run.cpu_t), ("GPU", run.gpu_t)):
         if results:
             met = sum(1 for t in results if t.passed)
-            body = report.TARGETS_INTRO + "\n\n" + report.targets_table(results, tablefmt)
+            body = tg.TARGETS_INTRO + "\n\n" + tg.targets_table(results, tablefmt)
             out.append((f"Our {kind} performance targets: {met} of {len(results)} met", body))
     if md and not run.gpu:
         link = os.path.relpath(RESULTS / "gpu-targets.md", run.out)
@@ -338,9 +338,9 @@ def write_gpu_targets(run: Run) -> None:
         if run.args.quick and measured:
             return
         slug = device_slug(run.device) + ("/quick" if run.args.quick else "")
-        path.write_text(report.gpu_targets_md(run.gpu_t, run.hdr, slug))
+        path.write_text(tg.gpu_targets_md(run.gpu_t, run.hdr, slug))
     elif not measured:
-        path.write_text(report.gpu_targets_md(tg.gpu_not_measured(), None, None))
+        path.write_text(tg.gpu_targets_md(tg.gpu_not_measured(), None, None))
 
 
 if __name__ == "__main__":

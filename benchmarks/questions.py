@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from benchmarks import distributed, tracing
 from benchmarks.methods import METHODS
 from benchmarks.report import host_device, joined, pivot, table
 from benchmarks.suite import Context, Record, run_workload
@@ -245,11 +246,7 @@ def render(q: str, records: list[Record], gpu: bool, tablefmt: str = "simple") -
     if question is not None and question.table is not None:
         return question.table(records, tablefmt)
     if q == "distributed":
-        from benchmarks.distributed import table as distributed_table
-
-        return distributed_table(records, tablefmt)
+        return distributed.table(records, tablefmt)
     if q == "tracing":
-        from benchmarks.tracing import table as tracing_table
-
-        return tracing_table(records, tablefmt)
+        return tracing.table(records, tablefmt)
     return pivot(records, gpu, tablefmt)

@@ -11,7 +11,6 @@ from tabulate import tabulate
 
 if TYPE_CHECKING:
     from benchmarks.suite import Record
-    from benchmarks.targets import TargetResult
 
 
 # --------------------------------------------------------------------------- formats
@@ -214,18 +213,6 @@ def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[s
     return lines
 
 
-def targets_table(results: Sequence[TargetResult], tablefmt: str) -> str:
-    rows = [[t.name, t.requirement, t.value, t.verdict, t.detail] for t in results]
-    return grid(rows, ["target", "requirement", "measured", "", "detail"], tablefmt)
-
-
-TARGETS_INTRO = (
-    "ampfused's own performance targets: goals its development is measured against, set for "
-    "this class of machine. A target not met is a gap we track, not a malfunction: every "
-    "figure above is a correct result."
-)
-
-
 # --------------------------------------------------------------------------- plots
 def plots(records: Sequence[Record], out: Path, title: str) -> dict[str, Path]:
     """counts.png, sizes.png, models.png: those whose question ran."""
@@ -338,35 +325,3 @@ def e2e_text(e2e: dict[str, Any]) -> str:
             "per chunk (median step = median over chunks of chunk time / steps)."
         )
     )
-
-
-GPU_METHOD_MD = """\
-How a GPU run measures them (benchmarks/README.md, "Method"): steps are timed as a training loop
-runs them, a batch of consecutive steps with one device synchronization at the end, minus the
-same batch of untimed gradient restores without the steps: the only synchronizations counted
-are those inside a step (both scalers' step() reads found_inf back). *many tensors* and *never
-slower* compare that per-step cost (host and device together) and include the rows whose
-gradients are new tensors every step (realloc, as after `zero_grad(set_to_none=True)`);
-*bandwidth* uses device time from CUDA events; *end-to-end* times chunks of consecutive
-training steps.
-"""
-
-
-def gpu_targets_md(
-    results: list[TargetResult], header: dict[str, Any] | None, slug: str | None
-) -> str:
-    md = ["# GPU targets\n", TARGETS_INTRO + "\n"]
-    if header is None:
-        md.append(
-            "Not yet measured: no GPU was available to the runs so far. `python -m benchmarks` "
-            "on a GPU machine measures them and rewrites this file.\n"
-        )
-        md.append(GPU_METHOD_MD)
-    else:
-        md.append(
-            f"Measured on {header['device_name']} (torch {header['torch']}, CUDA "
-            f"{header['cuda_runtime']}, commit {header['git_commit']}, {header['date']}); "
-            f"details in [{slug}/results.md]({slug}/results.md).\n"
-        )
-    md.append(targets_table(results, "github") + "\n")
-    return "\n".join(md)

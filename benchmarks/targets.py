@@ -1,12 +1,15 @@
 """ampfused's own performance targets, checked on a run's records: development goals, not
-correctness checks (the output shows them last, under a heading that says so)."""
+correctness checks (the output shows them last, under a heading that says so), and their table
+and gpu-targets.md."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import questions as qs
+from benchmarks.report import grid
 from benchmarks.suite import Record
 
 NOT_RUN = "not measured in this run"
@@ -215,3 +218,48 @@ def gpu_not_measured() -> list[TargetResult]:
         ("end-to-end", E2E),
     )
     return [TargetResult(name, req, detail="") for name, req in reqs]
+
+
+# --------------------------------------------------------------------------- report
+def targets_table(results: Sequence[TargetResult], tablefmt: str) -> str:
+    rows = [[t.name, t.requirement, t.value, t.verdict, t.detail] for t in results]
+    return grid(rows, ["target", "requirement", "measured", "", "detail"], tablefmt)
+
+
+TARGETS_INTRO = (
+    "ampfused's own performance targets: goals its development is measured against, set for "
+    "this class of machine. A target not met is a gap we track, not a malfunction: every "
+    "figure above is a correct result."
+)
+
+
+GPU_METHOD_MD = """\
+How a GPU run measures them (benchmarks/README.md, "Method"): steps are timed as a training loop
+runs them, a batch of consecutive steps with one device synchronization at the end, minus the
+same batch of untimed gradient restores without the steps: the only synchronizations counted
+are those inside a step (both scalers' step() reads found_inf back). *many tensors* and *never
+slower* compare that per-step cost (host and device together) and include the rows whose
+gradients are new tensors every step (realloc, as after `zero_grad(set_to_none=True)`);
+*bandwidth* uses device time from CUDA events; *end-to-end* times chunks of consecutive
+training steps.
+"""
+
+
+def gpu_targets_md(
+    results: list[TargetResult], header: dict[str, Any] | None, slug: str | None
+) -> str:
+    md = ["# GPU targets\n", TARGETS_INTRO + "\n"]
+    if header is None:
+        md.append(
+            "Not yet measured: no GPU was available to the runs so far. `python -m benchmarks` "
+            "on a GPU machine measures them and rewrites this file.\n"
+        )
+        md.append(GPU_METHOD_MD)
+    else:
+        md.append(
+            f"Measured on {header['device_name']} (torch {header['torch']}, CUDA "
+            f"{header['cuda_runtime']}, commit {header['git_commit']}, {header['date']}); "
+            f"details in [{slug}/results.md]({slug}/results.md).\n"
+        )
+    md.append(targets_table(results, "github") + "\n")
+    return "\n".join(md)

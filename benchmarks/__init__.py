@@ -13,5 +13,7 @@
 - ``compare``       results.jsonl, and ``python -m benchmarks.compare OLD NEW``
 - ``env``           the environment header and device helpers
 
-Results live in ``benchmarks/results/<device>/``.
+A run writes to a new folder of its own, ``benchmarks/runs/<date>-<time>-<device>/``
+(git-ignored), or to ``--out DIR``; the committed results are in
+``benchmarks/results/<device>/``, written with ``--out``.
 """

@@ -18,7 +18,17 @@ from tqdm import tqdm
 
 from benchmarks import compare, distributed, e2e, report, tracing
 from benchmarks import targets as tg
-from benchmarks.env import REPO, RESULTS, CpuShare, default_device, device_slug, header, is_gpu
+from benchmarks.env import (
+    REPO,
+    RESULTS,
+    CpuShare,
+    default_device,
+    device_slug,
+    header,
+    is_gpu,
+    run_folder,
+    shown,
+)
 from benchmarks.methods import COMPARED, METHODS, select
 from benchmarks.questions import QUESTIONS, render
 from benchmarks.suite import Context, Record
@@ -37,10 +47,15 @@ DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 DESCRIPTION = """\
 Benchmarks ampfused.GradScaler against torch.amp.GradScaler, torch's raw ops, a naive loop,
 ampfused's raw op and (GPU) apex, with the memory floor in the same run: one table per question
-(see benchmarks/README.md), then ampfused's own targets, written with plots to
-benchmarks/results/<device>/ (<device>/quick/ with --quick).  The default runs every question
-but instructions (minutes under callgrind).  python -m benchmarks.compare OLD NEW lists the
-rows that got slower."""
+(see benchmarks/README.md), then ampfused's own targets (development goals).  The default runs
+every question but instructions (minutes under callgrind).
+
+Each run writes results.jsonl, results.md and plots to a new folder of its own,
+benchmarks/runs/<UTC date>-<time>-<device>[-quick]/ (git-ignored), or to --out DIR.  The
+results committed under benchmarks/results/ are written with --out on purpose:
+  python -m benchmarks --out benchmarks/results/cpu
+  python -m benchmarks --quick --out benchmarks/results/cpu/quick
+python -m benchmarks.compare OLD NEW lists the rows that got slower."""
 
 
 def _csv(choices: tuple[str, ...] | list[str]):  # noqa: ANN202
@@ -72,7 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--methods", type=_csv(COMPARED), metavar="M[,M]", help=f"of {', '.join(COMPARED)}")
     add("--dtypes", type=_csv(DTYPE_NAMES), metavar="D[,D]", help="models (all), sweeps (fp32)")
-    add("--out", type=Path, help="output folder (default: benchmarks/results/<device>)")
+    add(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="output folder (default: a new benchmarks/runs/<date>-<time>-<device>[-quick]/)",
+    )
     add(
         "--timing", choices=TIMING_MODES, default="auto", help="auto: batched on GPU, else per-step"
     )
@@ -138,7 +158,7 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
     if is_gpu(device) and not torch.cuda.is_available():
         print("error: --device cuda but no GPU is available", file=sys.stderr)
         return None
-    out = args.out or (RESULTS / device_slug(device) / ("quick" if args.quick else ""))
+    out = args.out or run_folder(device_slug(device) + ("-quick" if args.quick else ""))
     out.mkdir(parents=True, exist_ok=True)
     ctx = Context(
         device=device,
@@ -205,7 +225,7 @@ def run_questions(run: Run) -> None:
     h = run.hdr
     print(
         f"ampfused benchmarks on {h['device_name']} ({run.device}), torch {h['torch']}, "
-        f"commit {h['git_commit']}, {h['torch_threads']} threads -> {run.out}",
+        f"commit {h['git_commit']}, {h['torch_threads']} threads\noutput folder: {shown(run.out)}",
         flush=True,
     )
     t_start, run_share = time.perf_counter(), CpuShare().start()
@@ -281,8 +301,7 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
             body = tg.TARGETS_INTRO + "\n\n" + tg.targets_table(results, tablefmt)
             out.append((f"Our {kind} performance targets: {met} of {len(results)} met", body))
     if md and not run.gpu:
-        link = os.path.relpath(RESULTS / "gpu-targets.md", run.out)
-        out.append(("", f"GPU targets: see [{link}]({link}).\n"))
+        out.append(("", f"GPU targets: see {gpu_targets_link(run.out)}.\n"))
     if md:
         methods = "\n".join(f"- **{m.name}**: {m.description}" for m in METHODS.values())
         out.append(("Methods", methods))
@@ -293,9 +312,20 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
     return out
 
 
+def gpu_targets_link(out: Path) -> str:
+    """benchmarks/results/gpu-targets.md as a link from results.md in ``out``: relative inside
+    the checkout, else the file's path in the repository."""
+    try:
+        out.resolve().relative_to(REPO)
+    except ValueError:
+        return "benchmarks/results/gpu-targets.md in the ampfused repository"
+    link = os.path.relpath(RESULTS / "gpu-targets.md", out.resolve())
+    return f"[{link}]({link})"
+
+
 def write_results(run: Run) -> None:
-    """Plots (unless --no-plots), results.jsonl, results.md and, for output folders inside
-    benchmarks/results, gpu-targets.md."""
+    """Plots (unless --no-plots), results.jsonl and results.md in the run's output folder and,
+    for a GPU run written inside benchmarks/results (--out), gpu-targets.md."""
     if not run.args.no_plots:
         title = f"ampfused benchmarks, {run.hdr['device_name']}, torch {run.hdr['torch']}, "
         try:
@@ -320,27 +350,25 @@ def write_results(run: Run) -> None:
     md = "\n".join(f"## {t}\n\n{b}\n" if t else b for t, b in sections(run, "github"))
     (run.out / "results.md").write_text(md)
     write_gpu_targets(run)
-    print(
-        f"wrote {run.out}/results.jsonl, results.md, {len(run.plots)} plots in {run.elapsed:.0f} s"
-    )
+    written = ", ".join(["results.jsonl", "results.md", *(p.name for p in run.plots.values())])
+    print(f"wrote {written} to {shown(run.out)} ({run.elapsed:.0f} s)")
 
 
 def write_gpu_targets(run: Run) -> None:
-    """benchmarks/results/gpu-targets.md: a GPU run's targets, else 'not yet measured'; a quick
-    or CPU run never replaces a measurement."""
+    """benchmarks/results/gpu-targets.md, from a GPU run whose output folder is inside
+    benchmarks/results (results meant to be committed); a --quick run replaces only the
+    placeholder that says "Not yet measured".  A CPU run, or one written elsewhere, leaves it."""
+    if not run.gpu or run.gpu_t is None:
+        return
     try:
-        run.out.resolve().relative_to(RESULTS.resolve())
+        slug = run.out.resolve().relative_to(RESULTS.resolve()).as_posix()
     except ValueError:
         return
     path = RESULTS / "gpu-targets.md"
     measured = path.exists() and "Not yet measured" not in path.read_text()
-    if run.gpu and run.gpu_t is not None:
-        if run.args.quick and measured:
-            return
-        slug = device_slug(run.device) + ("/quick" if run.args.quick else "")
-        path.write_text(tg.gpu_targets_md(run.gpu_t, run.hdr, slug))
-    elif not measured:
-        path.write_text(tg.gpu_targets_md(tg.gpu_not_measured(), None, None))
+    if run.args.quick and measured:
+        return
+    path.write_text(tg.gpu_targets_md(run.gpu_t, run.hdr, slug, run.command))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,27 @@ except Exception:  # noqa: BLE001 - any failure means "not available"
     multi_tensor_applier = None
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # committed: written only with --out
+RUNS = Path(__file__).resolve().parent / "runs"  # each run's own folder by default; git-ignored
+
+
+def run_folder(label: str) -> Path:
+    """A new folder for one run's output: ``benchmarks/runs/<UTC date>-<time>-<label>``
+    (``20261127-213800-cpu-quick``), git-ignored, so a run changes no file of the checkout."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path, n = RUNS / f"{stamp}-{label}", 1
+    while path.exists():  # two runs in one second
+        n += 1
+        path = RUNS / f"{stamp}-{label}-{n}"
+    return path
+
+
+def shown(path: Path) -> str:
+    """``path`` as the output names it: relative to the current folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def default_device() -> torch.device:

@@ -8,7 +8,7 @@ instrumentation off until the workloads are built, one dump per call, which also
 count by layer (Python, torch, ampfused's extension, the C library).  An empty window's count
 (the floor, printed beside) is in every figure.
 
-    python -m benchmarks.instructions [--counter callgrind]  # + results/cpu/instructions.json
+    python -m benchmarks.instructions [--counter callgrind] [--out DIR]  # + instructions.json
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from benchmarks.env import REPO, RESULTS
+from benchmarks.env import REPO, run_folder, shown
 
 PHASES = ("unscale_", "step", "update")
 # (name, tensors, elements each): the fixed cost of a step, and two host-bound sets.
@@ -292,9 +293,16 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m benchmarks.instructions", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--counter", choices=("auto", "hardware", "callgrind"), default="auto")
-    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/cpu)")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="folder for instructions.json (default: a new benchmarks/runs/<date>-<time>-"
+        "instructions/; the committed one: --out benchmarks/results/cpu)",
+    )
     args = p.parse_args(argv)
-    out_dir = args.out or str(RESULTS / "cpu")
+    argv = sys.argv[1:] if argv is None else argv
+    out_dir = args.out or str(run_folder("instructions"))
     inside = os.environ.get(_UNDER_CALLGRIND)
     if inside:
         counter, steps, windows = CallgrindCounter(inside), 2, 1
@@ -304,9 +312,9 @@ def main(argv: list[str] | None = None) -> None:
             counter, steps, windows = hw, 10, 3
         elif args.counter == "hardware":
             sys.exit(f"benchmarks.instructions: {hw.reason}")
-        else:
-            argv = sys.argv[1:] if argv is None else argv
-            sys.exit(_run_under_callgrind(argv, hw.reason if hw else None))
+        else:  # the run under callgrind writes to the folder chosen here
+            out_args = [] if args.out else ["--out", out_dir]
+            sys.exit(_run_under_callgrind([*argv, *out_args], hw.reason if hw else None))
     rows, empty = measure(counter, steps, windows)
     result = {
         "counter": counter.name,
@@ -317,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         "targets": targets(rows),
     }
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "instructions.json"), "w") as f:
+    path = os.path.join(out_dir, "instructions.json")
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(
         f"host cost in instructions per call ({counter.name}; torch {torch.__version__}, 1 thread)"
@@ -329,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\ntargets:")
     for name, value, ok in result["targets"]:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {value}")
+    # stderr: the suite's instructions question prints stdout under its own heading
+    print(f"wrote {shown(Path(path))}", file=sys.stderr)
 
 
 def _run_under_callgrind(argv: list[str], why: str | None) -> int:

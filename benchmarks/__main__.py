@@ -277,29 +277,34 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
         out.append(
             ("", f"`{run.command}`, {run.elapsed:.0f} s. {report.method_text(run.records)}\n")
         )
-    out.append(("Environment", report.grid([[k, v] for k, v in h.items()], ["", ""], tablefmt)))
+    out.append(
+        ("Environment", report.grid([[k, v] for k, v in h.items()], ["field", "value"], tablefmt))
+    )
     lines = report.comparisons(run.records, run.e2e)
     if lines:
-        out.append(("How ampfused compares", "\n".join(f"- {x}" for x in lines)))
+        out.append(("How ampfused compares", report.bullets(lines, tablefmt)))
     for q in ORDER:
         recs = [r for r in run.records if r.question == q]
         body = render(q, recs, run.gpu, tablefmt) if recs else ""
         if q == "e2e" and run.e2e:
-            body = report.e2e_text(run.e2e) + "\n\n" + report.e2e_table(run.e2e, tablefmt)
+            text = report.paragraph(report.e2e_text(run.e2e), tablefmt)
+            body = text + "\n\n" + report.e2e_table(run.e2e, tablefmt)
         if q == "instructions" and run.instructions:
             body = f"```\n{run.instructions}\n```" if md else run.instructions
         if body:
             plot = f"![{q}]({run.plots[q].name})\n\n" if md and q in run.plots else ""
             out.append((TITLES[q], plot + body))
     if run.notes:
-        out.append(("Notes", "\n".join(f"- {x}" for x in run.notes)))
+        out.append(("Notes", report.bullets(run.notes, tablefmt)))
     if run.errors:
-        out.append(("Errors", "\n".join(f"- {x}" for x in run.errors)))
+        out.append(("Errors", report.bullets(run.errors, tablefmt)))
     for kind, results in (("CPU", run.cpu_t), ("GPU", run.gpu_t)):
         if results:
             met = sum(1 for t in results if t.passed)
-            body = tg.TARGETS_INTRO + "\n\n" + tg.targets_table(results, tablefmt)
-            out.append((f"Our {kind} performance targets: {met} of {len(results)} met", body))
+            intro = report.paragraph(tg.TARGETS_INTRO, tablefmt)
+            body = intro + "\n\n" + tg.targets_table(results, tablefmt)
+            title = f"Our {kind} performance targets (development goals, not tests)"
+            out.append((f"{title}: {met} of {len(results)} met", body))
     if md and not run.gpu:
         out.append(("", f"GPU targets: see {gpu_targets_link(run.out)}.\n"))
     if md:
@@ -350,7 +355,8 @@ def write_results(run: Run) -> None:
     md = "\n".join(f"## {t}\n\n{b}\n" if t else b for t, b in sections(run, "github"))
     (run.out / "results.md").write_text(md)
     write_gpu_targets(run)
-    written = ", ".join(["results.jsonl", "results.md", *(p.name for p in run.plots.values())])
+    names = ["results.jsonl", "results.md", *(p.name for p in run.plots.values())]
+    written = ", ".join(names[:-1]) + " and " + names[-1]
     print(f"wrote {written} to {shown(run.out)} ({run.elapsed:.0f} s)")
 
 

@@ -110,7 +110,7 @@ def _diagnostics_table(records: list[Record], tablefmt: str = "simple") -> str:
         ("torch-norms / watch", "torch-norms", "ampfused-watch"),
         ("torch-norms / norms", "torch-norms", "ampfused-norms"),
     ]
-    head = "Python bytecodes a / watch / norms / torch-norms"
+    head = "Python bytecodes ampfused / watch / norms / torch-norms"
     extra = [joined(head, "py_bytecodes", DIAG_COUNT_METHODS)]
     return table(records, DIAG_METHODS, ratios, extra, tablefmt)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +43,86 @@ def _ratio(x: Record | None, y: Record | None) -> str:
     return "-" if x is None or y is None else f"{x.median_s / y.median_s:.2f}x"
 
 
+# A console table fits a terminal this wide; results.md's ("github") are rendered and scroll.
+CONSOLE_WIDTH = 100
+HEADER_WRAP, CELL_WRAP = 12, 40  # console: longer headers and cells go on more lines
+
+
+def _wrap(text: str, width: int) -> str:
+    lines = textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines) or text
+
+
+def _width(text: str) -> int:
+    return max(map(len, text.split("\n")))
+
+
+def _parts(widths: list[int], limit: int) -> list[list[int]]:
+    """Column indices in groups, each led by column 0, no wider than ``limit`` (but for a
+    column too wide on its own)."""
+    parts, part = [], [0]
+    for i in range(1, len(widths)):
+        if part != [0] and sum(widths[j] + 2 for j in [*part, i]) - 2 > limit:
+            parts.append(part)
+            part = [0]
+        part.append(i)
+    return [*parts, part]
+
+
+def _even_parts(widths: list[int]) -> list[list[int]]:
+    """As few groups as fit CONSOLE_WIDTH, as even as the column order allows: those of the
+    narrowest limit that needs no more of them."""
+    fewest, limit = len(_parts(widths, CONSOLE_WIDTH)), CONSOLE_WIDTH
+    while limit > widths[0] and len(_parts(widths, limit - 1)) == fewest:
+        limit -= 1
+    return _parts(widths, limit)
+
+
+def _head_wrap(header: str, width: int) -> int:
+    """How wide a header may be: its cells' width, at least HEADER_WRAP, and no word split."""
+    return max(HEADER_WRAP, width, *map(len, header.split()))
+
+
 def grid(rows: list[list[Any]], headers: list[str], tablefmt: str) -> str:
-    return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    """A table: one for results.md ("github"); for the console, headers and cells wrapped and
+    the columns split into tables no wider than CONSOLE_WIDTH, each repeating the first column
+    (rows then apart by a blank line where a cell took more than one line)."""
+    if tablefmt == "github":
+        return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    text = [[str(c) for c in r] for r in rows]
+    columns = list(zip(*text, strict=True)) if text else [()] * len(headers)
+    natural = [max(map(len, c), default=0) for c in columns]
+    cells = [max((_width(_wrap(x, CELL_WRAP)) for x in c), default=0) for c in columns]
+    # A header wraps no narrower than its cells; tabulate pads it by 2.
+    widths = [
+        max(w, _width(_wrap(h, _head_wrap(h, w))) + 2) for h, w in zip(headers, cells, strict=True)
+    ]
+    tables = []
+    for part in _even_parts(widths):
+        room = CONSOLE_WIDTH - sum(widths[j] + 2 for j in part) + 2
+        wrap = {}
+        for j in part:  # the room left goes to the columns whose cells were wrapped
+            grow = max(0, min(room, natural[j] - cells[j]))
+            wrap[j], room = cells[j] + grow, room - grow
+        heads = [_wrap(headers[j], _head_wrap(headers[j], wrap[j])) for j in part]
+        body = [[_wrap(r[j], wrap[j]) for j in part] for r in text]
+        out = tabulate(body, headers=heads, tablefmt=tablefmt, disable_numparse=True)
+        tables.append(_space_rows(out.split("\n"), heads, body))
+    return "\n\n".join(tables)
+
+
+def _space_rows(lines: list[str], heads: list[str], body: list[list[str]]) -> str:
+    """A blank line between rows where more than one row took more than one line (tabulate
+    drops empty rows, so it goes into the text it renders)."""
+    heights = [1 + max(c.count("\n") for c in r) for r in body]
+    top = 2 + max(h.count("\n") for h in heads)  # the header's lines and its rule
+    if sum(h > 1 for h in heights) < 2 or len(lines) != top + sum(heights):
+        return "\n".join(lines)
+    out, i = lines[:top], top
+    for k, h in enumerate(heights):
+        out += [""] * (k > 0) + lines[i : i + h]
+        i += h
+    return "\n".join(out)
 
 
 def by_workload(records: Sequence[Record]) -> list[dict[str, Record]]:
@@ -105,35 +184,35 @@ def table(
 
 def pivot(records: Sequence[Record], gpu: bool, tablefmt: str) -> str:
     """Every method's median per workload, then ampfused's GB/s, ratios to the floor, host and
-    device times, op counts (a/t: ampfused/torch) and ampfused's speedup over torch."""
+    device times, op counts (ampfused's/torch's) and ampfused's speedup over torch."""
     from benchmarks.methods import METHODS
 
     names = [m for m in METHODS if any(r.method == m for r in records)]
     a_t = ("ampfused", "torch")
     extra = [joined("ampfused GB/s", "gbps", ("ampfused",), fmt_gbps)]
-    extra += [joined(f"{m} x floor", "x_floor", (m,), fmt_x) for m in a_t]
+    extra += [joined(f"{m} / floor", "x_floor", (m,), fmt_x) for m in a_t]
     if gpu:
-        extra += [joined("ampfused x copy", "x_copy", ("ampfused",), fmt_x)]
+        extra += [joined("ampfused / floor-copy", "x_copy", ("ampfused",), fmt_x)]
     extra += host_device(records)
     counts = (
         (("launches", "launches"), ("syncs", "syncs"))
         if gpu
         else (("ops", "ops"), ("item()", "items"))
     )
-    extra += [joined(f"{h} a/t", attr, a_t, sep="/") for h, attr in counts]
+    extra += [joined(f"{h} ampfused / torch", attr, a_t, sep="/") for h, attr in counts]
     extra += [joined("speedup vs torch", "speedup_vs_torch", ("ampfused",), lambda x: fmt_x(x, 1))]
     return table(records, names, [], extra, tablefmt)
 
 
 DETAIL_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("IQR", "iqr_s", fmt_time),
-    ("n", "samples", str),
+    ("samples", "samples", str),
     ("GB/s", "gbps", fmt_gbps),
-    ("x floor", "x_floor", fmt_x),
+    ("time / floor", "x_floor", fmt_x),
     ("steps/sample", "steps_per_sample", str),
     ("host median", "host_median_s", fmt_time),
     ("restore (subtracted)", "restore_median_s", fmt_time),
-    ("x copy", "x_copy", fmt_x),
+    ("time / floor-copy", "x_copy", fmt_x),
     ("device median", "device_median_s", fmt_time),
     ("device GB/s", "device_gbps", fmt_gbps),
     ("restore device", "restore_device_median_s", fmt_time),
@@ -187,9 +266,15 @@ PAIRS = (
 )
 
 
+def _times(x: float) -> str:
+    """A ratio to 2 decimals, or 3 where 2 would round a ratio other than 1 to 1.00x."""
+    return f"{x:.3f}x" if f"{x:.2f}" == "1.00" and x != 1 else f"{x:.2f}x"
+
+
 def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[str]:
-    """Per question and pair: on how many gradient sets ours is faster, slower beyond noise
-    (IQRs apart), and the range of theirs / ours."""
+    """Per question and pair: on how many gradient sets ours is faster (by the medians), on how
+    many slower and how many of those beyond noise (IQRs apart), and the range of the time
+    theirs takes over ours."""
     lines = []
     for q in dict.fromkeys(r.question for r in records):
         groups = by_workload([r for r in records if r.question == q and r.ok])
@@ -198,19 +283,47 @@ def comparisons(records: Sequence[Record], e2e: dict[str, Any] | None) -> list[s
             if not pairs:
                 continue
             x = [t.median_s / a.median_s for a, t in pairs]
-            slower = sum(a.q1_s > t.q3_s for a, t in pairs)
-            lines.append(
-                f"{q}: {ours} faster than {theirs} on {sum(v > 1 for v in x)} of {len(x)} "
-                f"gradient sets, slower beyond noise on {slower}; {theirs} / {ours} "
-                f"{min(x):.2f}x to {max(x):.2f}x (median {statistics.median(x):.2f}x)"
-            )
+            faster, slower = sum(v > 1 for v in x), sum(v < 1 for v in x)
+            line = f"{q}: {ours} faster than {theirs} on {faster} of {len(x)} gradient set"
+            line += "s" if len(x) > 1 else ""
+            if slower:
+                beyond = sum(a.q1_s > t.q3_s for a, t in pairs)
+                line += f", slower on {slower} ({beyond} of them beyond noise)"
+            if len(x) > faster + slower:
+                line += f", as fast on {len(x) - faster - slower}"
+            span = _times(x[0]) if len(x) == 1 else f"{_times(min(x))} to {_times(max(x))}"
+            median = "" if len(x) == 1 else f" (median {_times(statistics.median(x))})"
+            lines.append(f"{line}; {theirs} takes {span} the time of {ours}{median}")
     for opt, c in ((e2e or {}).get("comparisons") or {}).items():
         same = c["max_abs_loss_diff"] == 0 and c["weights_bitwise_equal"]
         lines.append(
-            f"e2e {opt}: torch / ampfused step {fmt_x(c['torch_over_ampfused'])}, losses and "
+            f"e2e {opt}: a step with torch's scaler takes {fmt_x(c['torch_over_ampfused'])} the "
+            "time of one with ampfused's; losses and "
             + ("weights identical" if same else "weights DIFFER")
         )
     return lines
+
+
+def paragraph(text: str, tablefmt: str) -> str:
+    """``text`` as results.md has it ("github"), else wrapped to CONSOLE_WIDTH."""
+    if tablefmt == "github":
+        return text
+    return textwrap.fill(text, CONSOLE_WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+def bullets(items: Sequence[str], tablefmt: str) -> str:
+    """A markdown list; for the console each line wrapped to CONSOLE_WIDTH under its dash."""
+    if tablefmt == "github":
+        return "\n".join(f"- {x}" for x in items)
+    wrap = textwrap.TextWrapper(
+        CONSOLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
+    out = []
+    for item in items:
+        for k, line in enumerate(item.split("\n")):  # a traceback in a note keeps its lines
+            wrap.initial_indent = "  " if k else "- "
+            out += wrap.wrap(line) or [wrap.initial_indent]
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- plots
@@ -302,8 +415,9 @@ def method_text(records: Sequence[Record]) -> str:
     return (
         f"Times are per optimizer step, {how}; median over interleaved rounds (IQR = "
         "interquartile range). GB/s = bytes read + written (8 B per fp32 element for an "
-        "unscale) / median time; *x floor* = time / time of an in-place `torch._foreach_mul_` "
-        "over the same gradients in the same run; *speedup* = torch.amp.GradScaler time / this "
+        "unscale) / median time; */ floor* = time / time of an in-place `torch._foreach_mul_` "
+        "over the same gradients in the same run (*floor-mul*; */ floor-copy*: a device-to-device "
+        "copy of the same bytes); *speedup* = torch.amp.GradScaler time / this "
         "time. *realloc* rows: new gradient tensors every step, as after "
         "`zero_grad(set_to_none=True)`."
     )

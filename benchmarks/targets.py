@@ -211,8 +211,8 @@ def gpu_targets(records: list[Record], e2e: dict[str, Any] | None) -> list[Targe
 
 # --------------------------------------------------------------------------- report
 def targets_table(results: Sequence[TargetResult], tablefmt: str) -> str:
-    rows = [[t.name, t.requirement, t.value, t.verdict, t.detail] for t in results]
-    return grid(rows, ["target", "requirement", "measured", "verdict", "detail"], tablefmt)
+    rows = [[t.name, t.verdict, t.value, t.requirement, t.detail] for t in results]
+    return grid(rows, ["target", "verdict", "measured", "requirement", "detail"], tablefmt)
 
 
 TARGETS_INTRO = (

@@ -67,4 +67,9 @@ def test_targets():
     rows = [row("1 x 16", 1, "ampfused", 90), row("1 x 16", 1, "torch", 300)]
     rows += [row("3000 x 16", 3000, "ampfused", 51), row("3000 x 16", 3000, "torch", 1000)]
     assert [t[1:] for t in ins.targets(rows)] == [("0.300", True), ("0.051", False)]
-    assert ins.table(rows, 7.0).splitlines()[2].split("|")[-2].strip() == "0.300"  # / torch
+    text = ins.table(rows, 7.0)
+    assert text.splitlines()[2].split("|")[-2].strip() == "0.300"
+    assert text.splitlines()[0].split("|")[-2].strip() == "ampfused / torch"
+    lines = ins.targets_text(ins.targets(rows)).splitlines()
+    assert "development goals" in lines[0]
+    assert lines[1].startswith("  met: 1 x 16") and lines[2].startswith("  not met: 3000 x 16")

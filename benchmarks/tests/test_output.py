@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import benchmarks.__main__ as suite_main
-from benchmarks import env
+from benchmarks import compare, env, report
 from benchmarks import targets as tg
 from benchmarks.suite import Context
 from benchmarks.tests import rec
@@ -125,7 +125,7 @@ def test_gpu_targets_only_from_a_gpu_run_inside_results(
     text = path.read_text()
     # It reads on its own: nothing "above" it, every column named, the run's figures linked.
     assert "above" not in text
-    assert "| target | requirement | measured | verdict | detail |" in re.sub(r" +", " ", text)
+    assert "| target | verdict | measured | requirement | detail |" in re.sub(r" +", " ", text)
     assert "1 of 2 met on NVIDIA H100 80GB HBM3" in text
     assert "[nvidia-h100/results.md](nvidia-h100/results.md)" in text
     assert "| not met " in text and "FAIL" not in text
@@ -135,3 +135,97 @@ def test_gpu_targets_only_from_a_gpu_run_inside_results(
     path.write_text("# GPU targets\n\nNot yet measured: no GPU run so far.\n")
     suite_main.write_gpu_targets(gpu_run(tmp_path, "results/nvidia-h100/quick", quick=True))
     assert "(nvidia-h100/quick/results.md)" in path.read_text()
+
+
+# --------------------------------------------------------------------------- what it prints
+def committed_run(folder: str) -> suite_main.Run:
+    """A run rebuilt from committed results (benchmarks/results/<folder>), its targets
+    recomputed: what the console printed for it, as the code prints it now."""
+    back = compare.load(env.RESULTS / folder)
+    hdr = back["run"]["header"]
+    dev = torch.device("cuda" if hdr["device"].startswith("cuda") else "cpu")
+    args = argparse.Namespace(quick=True, no_plots=True)
+    ctx = Context(device=dev, timing=QUICK_TIMING, methods=[], quick=True)
+    questions = list(dict.fromkeys(r.question for r in back["records"]))
+    run = suite_main.Run(args, dev, env.RESULTS / folder, questions, "x", ctx, hdr)
+    run.records, run.e2e = back["records"], back["e2e"]
+    run.errors = ["sizes: RuntimeError: a long error message " + "word " * 30]
+    if run.gpu:
+        run.gpu_t = tg.gpu_targets(run.records, run.e2e)
+    else:
+        run.cpu_t = tg.cpu_targets(run.records, run.questions)
+    return run
+
+
+RULE = re.compile(r"^-+(  +-+)*$")
+PIPE_RULE = re.compile(r"^\|(:?-+:?\|)+$")
+# A word of one letter, or of single letters joined by slashes ("n", "a/t", "x floor"): a code
+# the reader has to guess, not a name.
+CODE = re.compile(r"^[a-z](/[a-z])*$")
+
+
+def console_headers(text: str) -> list[str]:
+    """Each console table's column headers: the text above each run of dashes in the rule, on
+    the lines between the rule and the blank line or title above it."""
+    lines, out = text.split("\n"), []
+    for i, rule in enumerate(lines):
+        if not RULE.match(rule):
+            continue
+        top = i
+        while top > 0 and lines[top - 1].strip() and not lines[top - 1].startswith("=="):
+            top -= 1
+        for m in re.finditer(r"-+", rule):
+            out.append(" ".join(x[m.start() : m.end()].strip() for x in lines[top:i]).strip())
+    return out
+
+
+def markdown_headers(text: str) -> list[str]:
+    lines = text.split("\n")
+    return [
+        cell.strip()
+        for head, rule in zip(lines, lines[1:], strict=False)
+        if PIPE_RULE.match(rule.replace(" ", ""))
+        for cell in head.strip().strip("|").split("|")
+    ]
+
+
+def unnamed(headers: list[str]) -> list[str]:
+    """The headers without a name in words: empty, no word of two letters, or with a code."""
+    return [
+        h
+        for h in headers
+        if not re.search("[A-Za-z]{2}", h) or any(CODE.match(w) for w in h.split())
+    ]
+
+
+@pytest.mark.parametrize("folder", ["cpu", "cpu/quick", "nvidia-h100/quick"])
+def test_d_every_column_named_and_no_console_line_wider_than_100(folder: str) -> None:
+    run = committed_run(folder)
+    console = "\n".join(
+        f"== {t} ==\n{b}\n" if t else b for t, b in suite_main.sections(run, "simple")
+    )
+    headers = console_headers(console)
+    assert len(headers) > 50 and "gradients" in headers and "verdict" in headers
+    assert unnamed(headers) == []
+    wide = [line for line in console.split("\n") if len(line) > 100]
+    assert wide == [], f"{len(wide)} console lines wider than 100 columns, first: {wide[0]}"
+    markdown = "\n".join(b for _, b in suite_main.sections(run, "github"))
+    headers = markdown_headers(markdown)
+    assert len(headers) > 50 and "samples" in headers
+    assert unnamed(headers) == []
+
+
+def test_d_the_checks_see_an_unnamed_column() -> None:
+    text = report.grid([["a", "1", "2"]], ["gradients", "", "ops a/t"], "simple")
+    assert unnamed(console_headers("== t ==\n" + text)) == ["", "ops a/t"]
+    text = report.grid([["a", "1", "2"]], ["gradients", "n", "ampfused x floor"], "github")
+    assert unnamed(markdown_headers(text)) == ["n", "ampfused x floor"]
+
+
+def test_comparison_lines_do_not_contradict_themselves() -> None:
+    """Slower within noise is counted as slower, and a ratio below 1 does not print as 1.00x."""
+    recs = [rec("ampfused", 100.0, 40.0), rec("torch", 99.9, 40.0)]  # slower, within noise
+    recs += [rec(m, us, workload="1 x 16") for m, us in (("ampfused", 10.0), ("torch", 30.0))]
+    (line,) = report.comparisons(recs, None)
+    assert "faster than torch on 1 of 2 gradient sets, slower on 1 (0 of them beyond noise)" in line
+    assert "torch takes 0.999x to 3.00x the time of ampfused" in line

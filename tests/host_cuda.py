@@ -41,9 +41,10 @@ def _has_fma() -> bool:
 
 
 # nvcc contracts a * b + c into an FMA by default (--fmad=true), where the CPU build of the same
-# per-element code is compiled with -ffp-contract=off: the layer contracts as nvcc does, so plain
-# arithmetic in the kernels that the _rn intrinsics should hold apart shows as a mismatch with
-# the CPU kernels.  Without FMA on this CPU nothing is contracted (CONTRACTS_FMA is False).
+# per-element code is compiled with -ffp-contract=off: the layer contracts where GCC does (an
+# approximation of nvcc, which may fuse more), so plain arithmetic in the kernels that the _rn
+# intrinsics should hold apart shows as a mismatch with the CPU kernels.  x86 CPUs without FMA
+# contract nothing (CONTRACTS_FMA is False); other architectures (aarch64, ...) have FMA.
 CONTRACTS_FMA = _has_fma()
 CONTRACTION_FLAGS = ["-ffp-contract=fast"] + (
     ["-mfma"] if CONTRACTS_FMA and platform.machine() in ("x86_64", "AMD64") else []

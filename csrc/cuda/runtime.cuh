@@ -63,9 +63,9 @@ int64_t resident_blocks(int device, int block) {
   return blocks;
 }
 
-// Under capture the graph owns `t`: the caching allocator keeps a block freed during capture in
-// the capture's private pool for the graph's lifetime, so nothing is needed here (the host layer
-// keeps the tensor itself).
+// Under capture the graph owns `t`: a block freed during capture stays in the capture's private
+// pool (later allocations of the same capture may reuse it, in stream order), never handed to
+// work outside the graph, so nothing is needed here (the host layer keeps the tensor itself).
 inline void graph_owns(const at::Tensor&) {}
 
 // A word of global memory through which the blocks of one launch communicate (the last-block

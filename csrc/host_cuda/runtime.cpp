@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -570,8 +572,8 @@ class LaunchRun {
     if (u.atomic && u.plain && violation.empty()) {
       violation = "host CUDA layer, block " + std::to_string(block) +
                   ": non-atomic access to an atomically used address (an rt::Word that this "
-                  "launch accesses both with atomics and with plain loads or stores: a race on "
-                  "a GPU)";
+                  "launch accesses both with atomics and with plain loads or stores; the "
+                  "layer's rule: a word is atomic-only or plain-only within a launch)";
     }
   }
   // Writes entry i, or the oldest entry of its block to the same address (program order per
@@ -703,7 +705,11 @@ unsigned word_atomic(Word* w, WordOp op, unsigned value) {
   return run.at_point([&](LaunchRun& r) { return r.perform(w, op, value, b); });
 }
 void word_post(Word* w, WordOp op, unsigned value) noexcept {
-  // Only ever called by a kernel's atomic (current_launch cannot fail there).
+  // From an atomic's destructor: no exception may leave.
+  if (LaunchRun::current == nullptr || this_block == nullptr) {
+    std::fprintf(stderr, "host CUDA layer: an atomic outside a kernel\n");
+    std::abort();
+  }
   LaunchRun& run = *LaunchRun::current;
   const unsigned b = current_block();
   run.at_point([&](LaunchRun& r) { r.queue(w, op, value, b, true); });
@@ -749,11 +755,18 @@ void launch(const char* kernel, unsigned grid, unsigned block, const std::functi
     std::lock_guard<std::mutex> lock(held_mu);
     std::swap(hold, hold_blocks);
   }
-  if (hold >= 0 && hold < static_cast<int64_t>(grid)) {
+  if (hold >= 0) {
+    // The blocks run before the hold finished long ago: their writes have all reached memory.
+    // Meant for a pass of one launch over dense gradients (nothing else of the pass waits).
+    {
+      std::lock_guard<std::mutex> lock(held_mu);
+      TORCH_CHECK(!held, "host CUDA layer: a launch is held already (release_held first)");
+    }
+    TORCH_CHECK(hold < static_cast<int64_t>(grid), "host CUDA layer: hold_next_launch(", hold,
+                ") holds nothing of a launch of ", grid, " blocks");
     const std::vector<unsigned> first(order.begin(), order.begin() + hold);
     if (!first.empty()) run_blocks(body, grid, block, first, seed, in_flight);
     std::lock_guard<std::mutex> lock(held_mu);
-    TORCH_CHECK(!held, "host CUDA layer: a launch is held already (release_held first)");
     held = Held{body,
                 grid,
                 block,
@@ -807,8 +820,10 @@ Counters counters() {
 namespace cuda {
 namespace rt {
 void graph_owns(const at::Tensor& t) {
+  // Kept for a launch that is (or is about to be) held; the others run before their caller
+  // drops t.
   std::lock_guard<std::mutex> lock(hostcuda::held_mu);
-  hostcuda::graph_tensors.push_back(t);
+  if (hostcuda::hold_blocks >= 0 || hostcuda::held) hostcuda::graph_tensors.push_back(t);
 }
 }  // namespace rt
 }  // namespace cuda

@@ -15,29 +15,34 @@
 //   forgotten barrier reads stale shared memory;
 // - __shfl_xor_sync exchanges values between the 32 lanes of a warp (the lanes of `mask` must
 //   all take part, at the same call), with CUDA's `width` rule;
-// - the blocks of a launch start in a seeded random order, `blocks_in_flight` of them at once
-//   on as many OS threads; they run in parallel between scheduling points (a block's start and
-//   end, every access to an rt::Word, every atomic and __threadfence), and at each point one
-//   block in flight, chosen by the seed, goes on: the points of a launch run one at a time in a
-//   seeded interleaving, so a race between blocks is tried, and reproduced by its seed;
-// - global words (rt::Word, below) follow a relaxed memory model: a plain store or a posted
-//   atomic reaches other blocks only when flushed (in a seeded order, at the latest at the
-//   writer's next __threadfence or the launch's end), and an address used both atomically and
-//   plainly in one launch is reported;
-// - every element access of a work item (rt::bounded, rt::vectors) is checked against the item:
-//   an out-of-bounds access is reported, as a misaligned vector access is;
+// - the blocks of a launch are dealt, in a seeded random order, to `blocks_in_flight` OS
+//   threads; they run in parallel between scheduling points (every access to an rt::Word, every
+//   atomic and __threadfence, a thread's last block's end), and at each point one block in
+//   flight, chosen by the seed, goes on: the points of a launch run one at a time in a seeded
+//   interleaving, so a race between blocks is tried, and reproduced by its seed;
+// - global words (rt::Word, below) follow a relaxed memory model on the writer's side: a plain
+//   store or a posted atomic reaches other blocks only when flushed (in a seeded order, at the
+//   latest at the writer's next __threadfence or the launch's end); a word is either atomic or
+//   plain within a launch (the layer's rule, stricter than CUDA's), a mix is reported;
+// - element accesses of a work item through rt::bounded and rt::vectors are checked against the
+//   item, rt::slice's ends against its span: out of bounds is reported, as a misaligned vector
+//   access is;
 // - unscale_math.h's device-only branches are compiled, over host definitions of CUDA's
-//   rounding intrinsics (intrinsics.h), and plain float arithmetic is contracted into FMAs as
-//   nvcc's default --fmad=true does (tests/host_cuda.py builds with -ffp-contract=fast and -mfma
-//   where the CPU has FMA);
+//   rounding intrinsics (intrinsics.h), and plain float arithmetic is contracted into FMAs where
+//   the C++ compiler contracts (-ffp-contract=fast, -mfma on x86 CPUs with FMA), approximating
+//   nvcc's default --fmad=true (nvcc may also fuse products GCC leaves apart);
 // - a launch returns when every block has finished (a stream's launches run one after another),
 //   unless it was held (hold_next_launch: the rest of its blocks run at release_held, as a
 //   replayed graph's may while other work runs).
 // The kernel parameters are passed by value to every thread, as CUDA passes them.
 //
-// What it cannot show: nvcc's code generation beyond FMA contraction, the GPU's memory model
-// beyond rt::Word (plain memory shared between blocks is not modeled: the kernels share none),
-// real warp-synchronous execution inside a phase, and timing.  Those stay for a GPU (.ci/gpu).
+// What it cannot show: nvcc's code generation beyond FMA contraction; the GPU's memory model
+// beyond rt::Word's writer side (an atomic whose result is used is performed at once, in
+// program order, so a missing fence between two such atomics goes unseen; loads are never
+// stale beyond the writers' queues, so a reader's missing __threadfence goes unseen; a block's
+// threads share one queue; plain memory shared between blocks is not modeled: the kernels
+// share none but found_inf, where every block that writes stores 1.0); real warp-synchronous
+// execution inside a phase; and timing.  Those stay for a GPU (.ci/gpu).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -46,6 +51,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -168,7 +174,8 @@ T shfl_xor_sync(unsigned mask, T value, int lane_mask, const char* site) {
 // - a plain load, and an atomic whose result is used, see the block's own queued writes to that
 //   address first (per-address coherence), then memory;
 // - an address that a launch accesses both atomically and plainly is reported ("non-atomic
-//   access to an atomically used address"), as racecheck reports shared memory.
+//   access to an atomically used address"): the layer's rule, stricter than CUDA's (a plain
+//   access ordered by fences can be correct), so the hand-off needs no proof of ordering.
 // Atomics on any other memory do not compile here, so every atomic of csrc/cuda/ is on a Word.
 namespace ampfused {
 namespace hostcuda {
@@ -190,31 +197,37 @@ class Word {
     word_store(this, value);
     return *this;
   }
+  Word& operator=(const Word& other) { return *this = static_cast<unsigned>(other); }
 
  private:
   unsigned bits_;
 };
 static_assert(sizeof(Word) == sizeof(unsigned), "a Word is one 32-bit word of memory");
 
-// What an atomic returns: performed when its value is read, queued (posted) when it is not.
+// What an atomic returns: performed when its value is first read (once), queued (posted) when
+// it is never read.  Not posted while an exception unwinds through its expression.
 class AtomicResult {
  public:
-  AtomicResult(Word* w, WordOp op, unsigned value) : w_(w), op_(op), value_(value) {}
+  AtomicResult(Word* w, WordOp op, unsigned value)
+      : w_(w), op_(op), value_(value), unwinding_(std::uncaught_exceptions()) {}
   AtomicResult(const AtomicResult&) = delete;
   AtomicResult& operator=(const AtomicResult&) = delete;
   ~AtomicResult() {
-    if (!used_) word_post(w_, op_, value_);
+    if (!used_ && std::uncaught_exceptions() == unwinding_) word_post(w_, op_, value_);
   }
   operator unsigned() {
+    if (!used_) old_ = word_atomic(w_, op_, value_);
     used_ = true;
-    return word_atomic(w_, op_, value_);
+    return old_;
   }
 
  private:
   Word* w_;
   WordOp op_;
   unsigned value_;
+  int unwinding_;
   bool used_ = false;
+  unsigned old_ = 0;
 };
 
 // A pointer to the `n` elements of a work item whose every access is checked against them:

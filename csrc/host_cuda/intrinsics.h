@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 
 namespace ampfused {
 namespace hostcuda {
@@ -31,44 +32,49 @@ inline T rounded(T x) {
 }  // namespace hostcuda
 }  // namespace ampfused
 
+namespace ampfused {
+namespace hostcuda {
+// op(a, b) rounded once, its operands and result each held apart from any neighbour.
+template <typename T, typename Op>
+inline T round_once(T a, T b, Op op) {
+  return rounded(op(rounded(a), rounded(b)));
+}
+}  // namespace hostcuda
+}  // namespace ampfused
+
 inline float __fmul_rn(float a, float b) {
-  using ampfused::hostcuda::rounded;
-  return rounded(rounded(a) * rounded(b));
+  return ampfused::hostcuda::round_once(a, b, std::multiplies<>());
 }
 inline float __fadd_rn(float a, float b) {
-  using ampfused::hostcuda::rounded;
-  return rounded(rounded(a) + rounded(b));
+  return ampfused::hostcuda::round_once(a, b, std::plus<>());
 }
 inline float __fdiv_rn(float a, float b) {
-  using ampfused::hostcuda::rounded;
-  return rounded(rounded(a) / rounded(b));
+  return ampfused::hostcuda::round_once(a, b, std::divides<>());
 }
 inline double __dmul_rn(double a, double b) {
-  using ampfused::hostcuda::rounded;
-  return rounded(rounded(a) * rounded(b));
+  return ampfused::hostcuda::round_once(a, b, std::multiplies<>());
 }
 inline double __dadd_rn(double a, double b) {
-  using ampfused::hostcuda::rounded;
-  return rounded(rounded(a) + rounded(b));
+  return ampfused::hostcuda::round_once(a, b, std::plus<>());
 }
 
+namespace ampfused {
+namespace hostcuda {
+template <typename To, typename From>
+inline To bits_as(From x) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+  To y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
+}
+}  // namespace hostcuda
+}  // namespace ampfused
+
 inline unsigned int __float_as_uint(float x) {
-  unsigned int u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
+  return ampfused::hostcuda::bits_as<unsigned int>(x);
 }
-inline float __uint_as_float(unsigned int u) {
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-}
+inline float __uint_as_float(unsigned int u) { return ampfused::hostcuda::bits_as<float>(u); }
 inline long long __double_as_longlong(double x) {
-  long long u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
+  return ampfused::hostcuda::bits_as<long long>(x);
 }
-inline double __longlong_as_double(long long u) {
-  double x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-}
+inline double __longlong_as_double(long long u) { return ampfused::hostcuda::bits_as<double>(u); }

@@ -4,14 +4,18 @@ Under ``watch()`` the fused pass writes a float64 statistics table per device (`
 see :func:`ampfused.reference.grad_stats`): a header (scale in force, step, verdict) and, per
 work item of each gradient, the sum of squares of the unscaled values, the largest finite
 magnitude, and the counts of +inf, -inf, NaN and zeros.  :class:`Watch` keeps the names given to
-``watch()`` and the tables of the current and the last iteration.  Nothing here runs unless a
+``watch()`` and the tables of the current and the last iteration (and of the one before it,
+which the report of a backward overflow measures the scale by).  Nothing here runs unless a
 report is asked for; building one copies every table to the host (one copy per device) and
 reduces it there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import math
 import os
 import sys
 import warnings
@@ -152,6 +156,12 @@ class StepReport:
             initialized (every line of ``str(report)`` then starts with it), else None.
         activations: with ``watch(model, activations=True)``: every traced module call, forward
             rows in forward execution order, then backward rows in backward execution order.
+        reference: for a step skipped by a backward overflow (no forward origin), the report
+            of the iteration before it when that one's traced gradients were all finite, else
+            None.  A backward is linear in the loss scale, so its magnitudes times
+            ``scale / reference.scale`` are what this step's gradients would have been without
+            the overflow (the weights differ by that iteration's optimizer step):
+            :attr:`fitting_scale` and :attr:`suggested_islands` read them.
     """
 
     step: int
@@ -161,6 +171,7 @@ class StepReport:
     total_norm: float
     rank: int | None = None
     activations: list[ActivationStats] = field(default_factory=list, repr=False)
+    reference: StepReport | None = field(default=None, repr=False)
 
     @property
     def forward_origin(self) -> ActivationStats | None:
@@ -182,12 +193,75 @@ class StepReport:
         trace tells: the traced module whose backward ran just before (in a chain of modules,
         the one that consumed the origin's output).  None without a backward origin, or when it
         was the first backward row."""
-        rows = self._rows("backward")
         origin = self.backward_origin
-        if origin is None:
-            return None
-        i = rows.index(origin)
+        return None if origin is None else self._producer(origin)
+
+    def _producer(self, row: ActivationStats) -> str | None:
+        rows = self._rows("backward")
+        i = rows.index(row)
         return rows[i - 1].module if i > 0 else None
+
+    @functools.cached_property
+    def _backward(self) -> _BackwardOverflow | None:
+        """The analysis of a backward overflow (see _in_backward)."""
+        return _BackwardOverflow(self) if self._in_backward else None
+
+    @property
+    def _in_backward(self) -> bool:
+        """Traced activations, inf/NaN in a traced output gradient or a parameter gradient, and
+        no forward origin: the overflow started in backward."""
+        if not self.activations or self.forward_origin is not None:
+            return False
+        return self.backward_origin is not None or bool(self.offenders)
+
+    @property
+    def suggested_islands(self) -> list[str]:
+        """Module names whose float32 island (``ampfused.keep_float32(model, names)``) the
+        traced data shows would keep this step's overflow from happening; [] when it shows
+        none (``str(report)`` says why).
+
+        A forward overflow: the forward origin (its parent when its inputs already held
+        inf/NaN).  A backward overflow (no forward origin): the smallest module holding every
+        traced gradient that exceeded its dtype's range at this scale together with the module
+        whose backward computed it (for a parameter gradient, its module): inside an island
+        all of that runs in float32, while with a smaller island code between them computes the
+        gradient in float16.  Only gradients known to exceed the range count, which takes
+        :attr:`reference` (an overflowed gradient is inf/NaN in this trace, which an op making
+        NaN also gives); and it is suggested only when every traced gradient outside it is
+        known to fit: finite in this trace, or in :attr:`reference` once scaled to this scale.
+        Gradients of untraced code between modules are not measured.  :attr:`smallest_island`
+        is that module whether or not the trace shows it suffices.
+        """
+        forward = self.forward_origin
+        if forward is not None:
+            return [forward.module if forward.inputs_finite else forward.module.rpartition(".")[0]]
+        backward = self._backward
+        return [] if backward is None or backward.island is None else [backward.island]
+
+    @property
+    def smallest_island(self) -> str | None:
+        """For a backward overflow: the smallest module a float32 island would have to hold
+        (see :attr:`suggested_islands`), whether or not the trace shows that it suffices; None
+        when only the whole model would, or there is no backward overflow."""
+        backward = self._backward
+        return None if backward is None else backward.region or None
+
+    @property
+    def fitting_scale(self) -> float | None:
+        """The largest loss scale at which every traced gradient stays within the range of the
+        dtype it was computed in (the traced output gradients, and the parameter gradients of
+        traced modules, in their outputs' dtype): ``scale * 65504 / magnitude`` at the tightest
+        one computed in float16.  From this
+        trace when all of them were finite, else from :attr:`reference`; None when neither
+        tells (an overflowed gradient is only known to have exceeded the range at
+        ``scale``).  An upper bound: gradients in untraced code are not measured."""
+        if not self.activations:
+            return None
+        backward = self._backward
+        if backward is not None:
+            return backward.fit[0] if backward.fit else None
+        fit = _fit(self)
+        return fit[0] if fit else None
 
     def closest_to_overflow(self, n: int = 5) -> list[ActivationStats]:
         """The n traced module calls whose largest finite magnitude came closest to their
@@ -257,19 +331,316 @@ class StepReport:
                 "" if producer is None else f", computed in the backward of {producer or '<model>'}"
             )
             lines.append(f"  overflow started in backward: {backward.describe()}{by}")
-        start = forward or backward
-        if start is None:
-            lines.append("  no traced activation held inf/NaN; closest to overflow:")
-            return lines + [f"    {a.describe()}" for a in self.closest_to_overflow(3)]
-        island = start.module if start.inputs_finite else start.module.rpartition(".")[0]
-        lines.append(f"  to run it in float32: ampfused.keep_float32(model, [{island!r}])")
-        return lines
+        if forward is not None:
+            island = self.suggested_islands[0]
+            lines.append(f"  to run it in float32: ampfused.keep_float32(model, [{island!r}])")
+            return lines
+        if self._backward is not None:
+            return lines + self._backward.lines()
+        lines.append("  no traced activation held inf/NaN; closest to overflow:")
+        return lines + [f"    {a.describe()}" for a in self.closest_to_overflow(3)]
 
     def grad_norms(self, group_separator: str = "/") -> dict[str, float]:
         """Per-parameter and total L2 norms keyed as Lightning's ``grad_norm`` keys them."""
         out = {f"grad_2.0_norm{group_separator}{g.name}": g.norm for g in self.grads}
         out["grad_2.0_norm_total"] = self.total_norm
         return out
+
+
+@dataclass(frozen=True)
+class _Quantity:
+    """A gradient the backward computed in a precision that can overflow: a traced output
+    gradient (a row) or a parameter gradient, as one report saw it."""
+
+    key: tuple
+    label: str
+    module: str | None  # (None: a parameter watch() did not name)
+    param: bool
+    dtype: torch.dtype  # what it was computed in (an untraced module's: taken as float16)
+    traced: bool  # (a parameter of an untraced module: its dtype is a guess)
+    level: float | None  # largest magnitude at the report's scale; None: it held inf/NaN
+
+    @property
+    def limit(self) -> float:
+        return torch.finfo(self.dtype).max
+
+    def inside(self, region: str) -> bool:
+        """Computed in float32 inside an island on `region`: a parameter gradient of a module
+        in it, or the output gradient of a module strictly inside (region's own output
+        gradient is computed by its consumer, outside)."""
+        if self.module is None:
+            return False
+        if region == "" or self.module.startswith(region + "."):
+            return True
+        return self.param and self.module == region
+
+
+def _quantities(report: StepReport) -> list[_Quantity]:
+    """The report's traced output gradients (backward execution order), then its parameter
+    gradients, each computed in the narrowest dtype its module's outputs had."""
+    computed: dict[str, torch.dtype] = {}
+    for a in report.activations:
+        if a.direction == "forward":
+            d = computed.get(a.module, a.dtype)
+            computed[a.module] = min(d, a.dtype, key=lambda t: torch.finfo(t).max)
+    out = [
+        _Quantity(
+            ("row", a.module, a.call),
+            f"{a.module or '<model>'}{f' (call {a.call})' if a.call else ''} output gradient",
+            a.module,
+            False,
+            a.dtype,
+            True,
+            None if a.non_finite else a.abs_max,
+        )
+        for a in report._rows("backward")
+    ]
+    for g in report.grads:
+        module = None if g.name.startswith("<param ") else g.name.rpartition(".")[0]
+        dtype = computed.get(module) if module is not None else None
+        level = None if g.non_finite else g.abs_max * report.scale
+        label = f"{g.name} gradient"
+        out.append(
+            _Quantity(
+                ("param", g.name), label, module, True, dtype or torch.float16, bool(dtype), level
+            )
+        )
+    return out
+
+
+def _fit(report: StepReport) -> tuple[float, _Quantity] | None:
+    """The largest scale at which every traced quantity of a report with none non-finite stays
+    within its dtype's range, and the one that binds; None when one held inf/NaN or all are
+    zero."""
+    found = _quantities(report)
+    if any(q.level is None for q in found):
+        return None
+    bounds = [(report.scale * q.limit / q.level, q) for q in found if q.level and q.traced]
+    return min(bounds, key=lambda b: b[0]) if bounds else None
+
+
+def _common_module(names: list[str]) -> str:
+    """The innermost module holding every named one ("" for the model)."""
+    parts = [n.split(".") if n else [] for n in names]
+    common = []
+    for level in zip(*parts, strict=False):
+        if any(p != level[0] for p in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _BackwardOverflow:
+    """A step skipped by inf/NaN in its backward, with no forward origin: what the trace says
+    about the scale that would have fit and the float32 island that would keep it finite.
+
+    A backward overflow is a gradient computed in float16 (an activation gradient, or the
+    weight gradient of a module that ran in float16) that exceeds 65,504.  The trace holds an
+    overflowed gradient as inf/NaN, which says only that it exceeded the range (or that an op
+    made NaN); the gradients below it in the backward are inf/NaN too.  What they would have
+    been comes from the iteration before (``report.reference``) when its gradients were
+    finite: a backward is linear in the loss scale, so each magnitude there times
+    ``scale / reference.scale`` is the magnitude at this scale.
+
+    An island runs a module and its submodules with autocast off: the gradients computed
+    inside it are float32.  Code outside it still runs in float16 under autocast, and computes
+    its gradients in float16 even where its input came from the island in float32 (the cast's
+    backward widens the float16 gradient only afterwards).  A float16 gradient that overflowed
+    was computed by the backward of the code between the module that took the origin's output
+    in (the producer) and the origin's output; it stays float16 unless the island holds all of
+    that code, so the island must hold the producer and the origin: the smallest module holding
+    both.  Its backward then carries on in float32 through the origin's backward, which may
+    bring the gradient back within range, and hands it on at its boundary, to code that may be
+    float16 again.  So an island is suggested when it holds every gradient that exceeds the
+    range at this scale with the module whose backward computed it (for a parameter gradient,
+    its module), and every traced gradient outside it is known to fit at this scale: finite in
+    this trace, or finite in the reference and within range once scaled.  (On the Llama layer
+    whose o_proj weight is 4,096 times larger and v_proj's as much smaller: islands on v_proj,
+    or on v_proj and o_proj, leave the attention's own code between them in float16 and the
+    step skipped; the whole self_attn lets it through.)
+    """
+
+    def __init__(self, report: StepReport) -> None:
+        self.report = report
+        scale, reference = report.scale, report.reference
+        self.now = _quantities(report)
+        then = {q.key: q for q in _quantities(reference)} if reference is not None else {}
+        ratio = scale / reference.scale if reference is not None else 0.0
+        # Each quantity's largest magnitude at this scale, where known.
+        self.level: dict[tuple, float | None] = {}
+        for q in self.now:
+            level = q.level
+            if level is None and q.key in then and then[q.key].level is not None:
+                level = then[q.key].level * ratio
+            self.level[q.key] = level
+        self.fit = _fit(reference) if reference is not None else None
+        finite = [(scale * q.limit / q.level, q) for q in self.now if q.level and q.traced]
+        self.finite_bound = min(finite, key=lambda b: b[0]) if finite else None
+        self.exceeding = [q for q in self.now if (self.level[q.key] or 0.0) > q.limit]
+        origin = report.backward_origin
+        if origin is not None:
+            producer = report.backward_producer
+            cover = [origin.module, "" if producer is None else producer]
+        else:
+            cover = [q.module or "" for q in self.now if q.param and q.level is None]
+        rows = {(a.module, a.call): a for a in report._rows("backward")}
+        for q in self.exceeding:
+            cover.append(q.module or "")
+            if not q.param:
+                producer = report._producer(rows[q.key[1:]])
+                cover.append("" if producer is None else producer)
+        self.region = _common_module(cover)
+        # Why no island, when none: what outside the region is not known to fit.
+        self.outside = next(
+            (
+                q
+                for q in self.now
+                if not q.inside(self.region)
+                and (self.level[q.key] is None or self.level[q.key] > q.limit)
+            ),
+            None,
+        )
+        shown = bool(self.exceeding) and self.region != "" and self.outside is None
+        self.island = self.region if shown else None
+
+    def lines(self) -> list[str]:
+        report = self.report
+        scale, reference = report.scale, report.reference
+        lines = []
+        if report.backward_origin is None:
+            first = next(q for q in self.now if q.param and q.level is None)
+            how = f", computed in {_dtype_name(first.dtype)}" if first.traced else ""
+            lines.append(
+                "  overflow started in backward, in a parameter gradient (no traced output "
+                f"gradient held inf/NaN): first {first.label}{how}"
+            )
+        if reference is not None:
+            then = (
+                f"step {reference.step}'s gradients (scale {reference.scale:g}, all finite) "
+                f"times {scale / reference.scale:g}"
+            )
+            if self.exceeding:
+                top = max(self.exceeding, key=lambda q: self.level[q.key] / q.limit)
+                lines.append(
+                    f"  scale {scale:g} was too large for this backward: {then} (a backward is "
+                    f"linear in the loss scale) put {top.label} at {self.level[top.key]:.4g}, "
+                    f"over {_dtype_name(top.dtype)}'s {top.limit:,.0f}"
+                )
+            else:
+                where = report.backward_producer or "untraced code"
+                lines.append(
+                    f"  the scale does not explain it: {then} (a backward is linear in the loss "
+                    f"scale) keep every traced gradient within range at scale {scale:g}, so "
+                    f"the inf/NaN was made from finite values, in the backward of {where} (an "
+                    "op making inf/NaN: x/0, log 0, 0*inf; or a gradient of untraced code over "
+                    "the range); torch.autograd.detect_anomaly() names an op that makes NaN"
+                )
+            if self.fit is not None:
+                value, q = self.fit
+                lines.append(
+                    f"  the traced gradients would fit up to scale {value:.4g} ({q.label} the "
+                    "tightest; an upper bound: gradients of untraced code are not measured)"
+                )
+        else:
+            lines.append(
+                f"  scale {scale:g}: if that inf/NaN is an overflow, a scale that fits is below "
+                f"{scale:g}; by how much, this trace cannot tell (a gradient that overflowed is "
+                "inf/NaN here: it says only that its magnitude passed the range)"
+            )
+            if self.finite_bound is not None:
+                value, q = self.finite_bound
+                lines.append(
+                    f"  the traced gradients that stayed finite would fit up to scale "
+                    f"{value:.4g} ({q.label} the tightest)"
+                )
+        lines.append(self._backoff_line())
+        return [*lines, *self._island_lines()]
+
+    def _backoff_line(self) -> str:
+        scale = self.report.scale
+        line = (
+            "  update() backs off: it multiplies the scale by backoff_factor (0.5 by default: "
+            f"{scale / 2:g} next) at each skipped step (with hysteresis=N, from the N-th in a "
+            "row on), down to min_scale"
+        )
+        fit = self.fit[0] if self.fit is not None else None
+        if fit is None:
+            return line + ", until a step fits"
+        if fit >= scale:
+            return line + ": no help with what the scale does not explain"
+        halvings = math.ceil(math.log2(scale / fit))
+        ceiling = 2.0 ** math.floor(math.log2(fit))
+        return (
+            f"{line}: {halvings} halving{'s reach' if halvings > 1 else ' reaches'} "
+            f"{scale / 2**halvings:g}; GradScaler(..., max_scale={ceiling:g}) keeps growth "
+            "from going back past it"
+        )
+
+    def _island_lines(self) -> list[str]:
+        report, region = self.report, self.region
+        origin, producer = report.backward_origin, report.backward_producer
+        if origin is not None:
+            holding = (
+                f"{producer or '<model>'}, whose backward computed the gradient, and "
+                f"{origin.module or '<model>'}, which takes it in (with a smaller island, code "
+                "between them computes the gradient in float16)"
+            )
+        else:
+            modules = sorted(
+                {q.module or "<model>" for q in self.now if q.param and q.level is None}
+            )
+            holding = f"{', '.join(modules)}, whose parameter gradients it computes in float32"
+        if self.island is not None:
+            ranked = [(self.level[q.key] / q.limit, q) for q in self.now if not q.inside(region)]
+            _, q = max(ranked, key=lambda b: b[0])
+            source = "" if q.level is not None else f", from step {report.reference.step}"
+            return [
+                f"  to run it in float32: ampfused.keep_float32(model, [{region!r}]), the "
+                f"smallest module holding {holding}",
+                f"    every traced gradient outside it fits at scale {report.scale:g} (the "
+                f"closest to its range: {q.label}, {self.level[q.key]:.4g}{source})",
+            ]
+        if report.reference is not None and not self.exceeding:
+            return [
+                "  no float32 island can be shown to help: the trace does not make it an overflow"
+            ]
+        otherwise = (
+            "    without an island: the backoff, or a model change that keeps the gradient "
+            f"within range in the backward of {producer or 'the modules above'}"
+        )
+        if region == "":
+            return [
+                f"  no float32 island smaller than the whole model holds {holding}",
+                otherwise,
+            ]
+        lines = [
+            "  no float32 island can be shown to help from this trace; one would have to hold "
+            f"at least {region}, the smallest module holding {holding}"
+        ]
+        q = self.outside
+        if q is None:  # (nothing is known to have exceeded the range: no reference)
+            lines.append(
+                "    but nothing here tells an overflow from an op that makes inf/NaN; the "
+                "trace of a finite step would: the report of an overflow right after one "
+                "checks the island"
+            )
+        elif self.level[q.key] is not None:
+            lines.append(
+                f"    but {q.label}, outside it, would be {self.level[q.key]:.4g} at scale "
+                f"{report.scale:g}, over {_dtype_name(q.dtype)}'s range"
+            )
+        else:
+            lines.append(
+                f"    but whether what it passes on fits is not in this trace: {q.label}, "
+                "outside it, held inf/NaN, and no finite trace of the step before says what it "
+                "would be (the report of an overflow right after a finite step checks the "
+                "island against that step)"
+            )
+        return [*lines, otherwise]
 
 
 def _norm(sum_squares: float) -> float:
@@ -451,7 +822,9 @@ def _not_read_yet(method: str, any_pass: bool) -> RuntimeError:
 class Watch:
     """What ``watch()`` was given (names and ranks by parameter identity; the parameters are
     kept, so an identity is never reused while watched) and the statistics tables of this
-    iteration's passes (``now``) and of the last completed iteration (``last``)."""
+    iteration's passes (``now``) and of the last completed iteration (``last``), and the tables
+    and traced rows of the iteration before that (``before``, ``traced_before``: a few float64
+    rows per gradient and per traced module call, kept one iteration longer)."""
 
     __slots__ = (
         "names",
@@ -464,6 +837,8 @@ class Watch:
         "tracer",
         "begun",
         "name_check",
+        "before",
+        "traced_before",
     )
 
     def __init__(
@@ -506,6 +881,10 @@ class Watch:
         self.warned = False
         self.now: list[Table] = []
         self.last: list[Table] = []
+        # The iteration before `last` (tables, traced rows): the reference a report of `last`
+        # scales its backward overflow by (StepReport.reference).
+        self.before: list[Table] = []
+        self.traced_before: list[Row] = []
         # scale() ran since the last update(): this iteration has begun, and until its pass the
         # tables at hand are the last iteration's (reading them then is refused).
         self.begun = False
@@ -564,10 +943,21 @@ class Watch:
 
     def report(self) -> StepReport:
         passes = self._passes("report")
-        activations = None
-        if self.tracer is not None:  # the same iteration as the parameters' tables
-            activations = read_activations(self.tracer.now if self.now else self.tracer.last)
-        return build_report(passes, self.names, self.order, activations)
+        if self.tracer is None:
+            return build_report(passes, self.names, self.order)
+        # The traced rows of the same iteration as the parameters' tables, and the iteration
+        # before it (read only for a backward overflow).
+        rows, before = (self.tracer.now, self.last) if self.now else (self.tracer.last, self.before)
+        traced_before = self.tracer.last if self.now else self.traced_before
+        report = build_report(passes, self.names, self.order, read_activations(rows))
+        if not report._in_backward or not before or not traced_before:
+            return report
+        passes = [(t, pn, flat_params(groups)) for t, pn, groups in before]
+        reference = build_report(passes, self.names, self.order, read_activations(traced_before))
+        finite = not reference.skipped and not reference.offenders
+        if not finite or any(a.non_finite for a in reference._rows("backward")):
+            return report
+        return dataclasses.replace(report, reference=reference)
 
     def report_activations(self) -> list[ActivationStats]:
         """The traced rows of the current iteration so far, or else of the last one."""
@@ -587,11 +977,12 @@ class Watch:
     def close_iteration(self) -> None:
         """At update(): this iteration's tables become the last iteration's; a skipped step is
         reported when watch(log_skipped=...) asked for it."""
-        self.last, self.now = self.now, []
+        self.before, self.last, self.now = self.last, self.now, []
         self.begun = False
         if self.name_check == _CHECKING:
             self.name_check = _CHECKED
         if self.tracer is not None:
+            self.traced_before = self.tracer.last
             self.tracer.close_iteration()
         if not self.log_skipped or not self.last:
             return

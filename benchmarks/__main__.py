@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import compare, distributed, e2e, report, tracing
+from benchmarks import compare, distributed, e2e, policy, report, tracing
 from benchmarks import targets as tg
 from benchmarks.env import (
     REPO,
@@ -40,8 +40,9 @@ TITLES["distributed"] = "Distributed: a step with found_inf all-reduced across 2
 TITLES["e2e"] = "End-to-end: small GPT, float16 autocast, each scaler"
 TITLES["instructions"] = "Host cost in instructions per call (torch on one thread)"
 TITLES["tracing"] = "Activation tracing: a GPT-2 step (forward, backward, scaler) traced or not"
+TITLES["policy"] = "Loss-scale policies: float16 training on CPU (skipped steps, scale, loss)"
 ORDER = ("step_cost", "diagnostics", "clip", "masters", "distributed", "models", "counts")
-ORDER += ("sizes", "e2e", "tracing", "instructions")
+ORDER += ("sizes", "e2e", "tracing", "policy", "instructions")
 DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 
 DESCRIPTION = """\
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="short run (< 1 min on CPU), same outputs")
+    add("--quick", action="store_true", help="short run (< 2 min on CPU), same outputs")
     add("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     add("--only", type=_csv(ORDER), metavar="Q[,Q]", help=f"questions: {', '.join(ORDER)}")
     add(
@@ -117,6 +118,7 @@ class Run:
     plan: dict[str, list] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     e2e: dict[str, Any] | None = None
+    policy: dict[str, Any] | None = None
     instructions: str | None = None
     errors: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
@@ -206,6 +208,9 @@ def run_question(run: Run, q: str) -> None:
         run.e2e = e2e.run(run.ctx)
     elif q == "tracing":
         run.records += tracing.run(run.ctx)
+    elif q == "policy":
+        run.policy = policy.run(run.ctx)
+        run.errors += policy.errors(run.policy)
     elif q == "instructions":  # a process of its own: it may re-run itself under callgrind
         cmd = [sys.executable, "-m", "benchmarks.instructions", "--out", str(run.out)]
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -220,6 +225,7 @@ def run_questions(run: Run) -> None:
     question that raises is reported and the next one runs."""
     sizes = {"distributed": len(distributed.WORKLOADS), "instructions": 1}
     sizes["tracing"] = len(tracing.MODELS)
+    sizes["policy"] = policy.n_runs(run.args.quick)
     sizes["e2e"] = e2e.preset(run.device, run.args.quick).steps
     total = sum(len(run.plan[q]) if q in run.plan else sizes[q] for q in run.questions)
     h = run.hdr
@@ -280,7 +286,7 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
     out.append(
         ("Environment", report.grid([[k, v] for k, v in h.items()], ["field", "value"], tablefmt))
     )
-    lines = report.comparisons(run.records, run.e2e)
+    lines = report.comparisons(run.records, run.e2e) + policy.comparison_lines(run.policy)
     if lines:
         out.append(("How ampfused compares", report.bullets(lines, tablefmt)))
     for q in ORDER:
@@ -289,6 +295,8 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
         if q == "e2e" and run.e2e:
             text = report.paragraph(report.e2e_text(run.e2e), tablefmt)
             body = text + "\n\n" + report.e2e_table(run.e2e, tablefmt)
+        if q == "policy" and run.policy:
+            body = policy.text(run.policy, tablefmt)
         if q == "instructions" and run.instructions:
             body = f"```\n{run.instructions}\n```" if md else run.instructions
         if body:
@@ -333,8 +341,11 @@ def write_results(run: Run) -> None:
     for a GPU run written inside benchmarks/results (--out), gpu-targets.md."""
     if not run.args.no_plots:
         title = f"ampfused benchmarks, {run.hdr['device_name']}, torch {run.hdr['torch']}, "
+        title += run.hdr["git_commit"]
         try:
-            run.plots = report.plots(run.records, run.out, title + run.hdr["git_commit"])
+            run.plots = report.plots(run.records, run.out, title)
+            if run.policy:
+                run.plots["policy"] = policy.plot(run.policy, run.out, title)
         except Exception as e:  # noqa: BLE001 - a plot that fails is an error, not the end
             run.errors.append(f"plots: {type(e).__name__}: {e}")
     targets = {
@@ -351,7 +362,7 @@ def write_results(run: Run) -> None:
         "errors": run.errors,
         "targets": targets,
     }
-    compare.write(run.out, head, run.records, run.e2e)
+    compare.write(run.out, head, run.records, run.e2e, run.policy)
     md = "\n".join(f"## {t}\n\n{b}\n" if t else b for t, b in sections(run, "github"))
     (run.out / "results.md").write_text(md)
     write_gpu_targets(run)

@@ -2,8 +2,9 @@
 
 results.jsonl: a ``{"run": ...}`` line (environment, command, durations, errors, targets), one
 line per record with its measured fields only (floats to 4 significant digits; the ratios are
-recomputed on loading), then an ``{"e2e": ...}`` line: a diff of two commits' results shows
-the rows that moved.
+recomputed on loading), then an ``{"e2e": ...}`` line and a ``{"policy": ...}`` line (the
+policy question's runs, benchmarks/policy.py): a diff of two commits' results shows the rows
+that moved.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def _line(obj: dict[str, Any]) -> str:
     return json.dumps(_round(obj), separators=(",", ":"), default=str)
 
 
-def write(out: Path, run: dict[str, Any], records: list[Record], e2e: Any) -> Path:
+def write(
+    out: Path, run: dict[str, Any], records: list[Record], e2e: Any, policy: Any = None
+) -> Path:
     """``out``/results.jsonl; a record keeps its measured fields (no ratios, no defaults)."""
     lines = [_line({"run": run})]
     for r in records:
@@ -59,17 +62,20 @@ def write(out: Path, run: dict[str, Any], records: list[Record], e2e: Any) -> Pa
         lines.append(_line({k: v for k, v in d.items() if k not in DERIVED and v != _DEFAULTS[k]}))
     if e2e:
         lines.append(_line({"e2e": e2e}))
+    if policy:
+        lines.append(_line({"policy": policy}))
     (out / NAME).write_text("\n".join(lines) + "\n")
     return out / NAME
 
 
 def load(path: Path) -> dict[str, Any]:
-    """A results file or its folder as ``{"run": {...}, "records": [Record], "e2e": ...}``."""
+    """A results file or its folder as ``{"run": {...}, "records": [Record], "e2e": ...,
+    "policy": ...}``."""
     path = path / NAME if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such results file")
     run: dict[str, Any] = {}
-    e2e, recs, groups = None, [], {}
+    e2e, policy, recs, groups = None, None, [], {}
     try:
         for line in filter(str.strip, path.read_text().splitlines()):
             obj = json.loads(line)
@@ -77,6 +83,8 @@ def load(path: Path) -> dict[str, Any]:
                 run = obj["run"]
             elif "e2e" in obj:
                 e2e = obj["e2e"]
+            elif "policy" in obj:
+                policy = obj["policy"]
             else:
                 recs.append(Record(**{k: v for k, v in obj.items() if k in _DEFAULTS}))
                 r = recs[-1]
@@ -86,7 +94,7 @@ def load(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a benchmarks results file ({type(e).__name__}: {e})") from e
     for group in groups.values():
         derive(group)
-    return {"run": run, "records": recs, "e2e": e2e}
+    return {"run": run, "records": recs, "e2e": e2e, "policy": policy}
 
 
 # --------------------------------------------------------------------------- comparison

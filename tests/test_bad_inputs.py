@@ -20,7 +20,7 @@ The exceptions are the probes in ``DELIBERATE``, where ampfused improves on torc
 For those, ampfused must match the ``clean`` run instead: a refused call keeps nothing and
 training then goes on exactly as if the call had not been made, and it must raise at the wrong
 call itself (an exception of the type torch raises for it, there or later).  Each reason is a
-bullet of the README's "Deliberate differences".
+bullet of "Deliberate differences from torch" in docs/reference.md.
 
 Probes run in batches in child processes (started by a fork server, not forked from the test
 process: START_METHOD); a child that dies (segfault, abort) or hangs is retried one probe per
@@ -929,7 +929,7 @@ _misuse_probe(
 
 # ------------------------------------------------------------------------------- deliberate
 # Probes where ampfused differs from torch on purpose: name patterns -> reason.  Each reason is
-# a README "Deliberate differences" bullet, found there by its key phrase.
+# a "Deliberate differences" bullet of docs/reference.md, found there by its key phrase.
 REASONS: dict[str, tuple[str, str]] = {
     "refused when given": (
         "refused when they are given",
@@ -1173,7 +1173,7 @@ def check(name: str, runs: Any) -> list[str]:
         if not _match(a, t, "torch"):
             problems.append(
                 f"no longer differs from torch: remove it from DELIBERATE ({reason!r}) and "
-                "check the README bullet"
+                "check its bullet in docs/reference.md"
             )
         # ampfused must equal the clean run (the wrong call left out), except that it raises
         # at the wrong call: the type torch raises for it, there or at a later call.
@@ -1219,13 +1219,13 @@ def test_deliberate_table_is_current():
     assert set(DELIBERATE.values()) == set(REASONS)
 
 
-def test_readme_lists_the_deliberate_differences():
-    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
-    match = re.search(r"#+ Deliberate differences.*?\n(.*?)(?=\n#+ |\Z)", readme, re.S)
-    assert match, "README has no 'Deliberate differences' section"
+def test_docs_list_the_deliberate_differences():
+    reference = Path(__file__).resolve().parent.parent.joinpath("docs", "reference.md").read_text()
+    match = re.search(r"#+ Deliberate differences.*?\n(.*?)(?=\n#+ |\Z)", reference, re.S)
+    assert match, "docs/reference.md has no 'Deliberate differences' section"
     section = " ".join(match.group(1).split())
     for key, (phrase, _) in REASONS.items():
-        assert phrase in section, f"README 'Deliberate differences' lacks {key!r}: {phrase!r}"
+        assert phrase in section, f"docs 'Deliberate differences' lack {key!r}: {phrase!r}"
 
 
 # ------------------------------------------------------------------------------- the harness

@@ -1,9 +1,9 @@
 """``ampfused.GradScaler`` inside PyTorch Lightning, Accelerate and the Hugging Face Trainer.
 
 Each framework builds its own ``torch.amp.GradScaler`` (or, on the CPU, none at all). The
-README's section "Using it with Lightning, Accelerate and the HF Trainer" says how to hand it
-ours instead; these tests run exactly those incantations. A tiny model trains for a few steps
-with float16 autocast through the framework, and the test checks from the outside that
+page docs/frameworks.md ("Using it with Lightning, Accelerate and the HF Trainer") says how to
+hand it ours instead; these tests run exactly those incantations. A tiny model trains for a few
+steps with float16 autocast through the framework, and the test checks from the outside that
 
 - the framework holds our scaler object and called its ``scale``/``step``/``update`` every step;
 - our scaler's scale and growth tracker end where torch's do over the same steps (the third
@@ -12,10 +12,10 @@ with float16 autocast through the framework, and the test checks from the outsid
 - every parameter equals, bit for bit, a plain training loop with ``torch.amp.GradScaler``, so
   the gradients that reached the optimizer were unscaled, and inf/NaN steps were skipped.
 
-The "trap" tests pin the README's warnings: on the CPU the plain fp16 flags of all three give
+The "trap" tests pin that page's warnings: on the CPU the plain fp16 flags of all three give
 no scaler (Lightning switches to bf16, Accelerate and the Trainer to float32, silently or with a
 warning), and a scaler handed to Accelerate after ``prepare()`` is not the one that steps. If a
-framework release changes one of these, the README's section needs the same change.
+framework release changes one of these, docs/frameworks.md needs the same change.
 
 A test is skipped when its framework is absent (``pip install lightning accelerate
 transformers``). The CUDA variants run the same incantations with ``"cuda"``.
@@ -177,7 +177,7 @@ def test_lightning_trainer(device: str, tmp_path: Any) -> None:
     model = _lightning_module(pl)
     trainer = pl.Trainer(
         accelerator="cpu" if device == "cpu" else "gpu",
-        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],  # the README's line
+        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],  # docs/frameworks.md's line
         default_root_dir=tmp_path,
         **QUIET_LIGHTNING,
     )
@@ -199,7 +199,7 @@ def test_lightning_fabric(device: str) -> None:
     fabric = Fabric(
         accelerator="cpu" if device == "cpu" else "gpu",
         devices=1,
-        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],  # the README's line
+        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],  # docs/frameworks.md's line
     )
     net = _net()
     model, optimizer = fabric.setup(net, _sgd(net.parameters()))
@@ -357,7 +357,7 @@ def test_hf_trainer(device: str, clip: bool, tmp_path: Any, fresh_accelerate_sta
     made: list[tuple[ampfused.GradScaler, Counter]] = []
 
     class AmpfusedTrainer(transformers.Trainer):
-        # the README's subclass, with the test's scaler arguments and call counter
+        # docs/frameworks.md's subclass, with the test's scaler arguments and call counter
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
             if self.args.fp16 and not (self.is_fsdp_enabled or self.is_deepspeed_enabled):

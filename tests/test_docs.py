@@ -247,12 +247,10 @@ def test_example_runs(
 ) -> None:
     if "skip" in ex.directives:
         pytest.skip(f"{ex.name}: {ex.directives['skip'].strip('()')}")
-    needs = {"lightning": "lightning.pytorch", "hf": "transformers", "accelerate": "accelerate"}
-    for word, module in needs.items():
-        if word in ex.directives or ex.directives.get("after") == word or module in ex.code:
+    setup = SETUPS.get(ex.directives.get("after", ""), "")
+    for module in ("lightning.pytorch", "transformers", "accelerate"):
+        if module in ex.code or module in setup:  # the frameworks are optional test deps
             pytest.importorskip(module)
-    if "transformers" in ex.code:
-        pytest.importorskip("transformers")
     if not ampfused.KERNELS:
         pytest.skip("ampfused's kernels are not built")
     monkeypatch.chdir(tmp_path)

@@ -30,7 +30,10 @@ __all__ = [
 ]
 
 # The scaler's int32 state (ScalerState in csrc/unscale_math.h): element 0 holds the float32
-# scale's bits, then the growth tracker, hysteresis left and the counters, in this order.
+# scale's bits, then the growth tracker, hysteresis left and the counters, in this order, then
+# the headroom policy's: the iteration's measured magnitude and the ceiling (float32 bits), the
+# clean iterations since the last backoff, and HISTORY caps (float32 bits).
+HISTORY = 16
 STATE_FIELDS = (
     "scale",
     "growth_tracker",
@@ -41,6 +44,10 @@ STATE_FIELDS = (
     "growths",
     "backoffs",
     "floor_hits",
+    "magnitude",
+    "ceiling",
+    "since_backoff",
+    *(f"history{i}" for i in range(HISTORY)),
 )
 STATE_SIZE = len(STATE_FIELDS)
 # grad_stats columns (StatField): a header row (scale in force, step, found), then one row per
@@ -185,6 +192,7 @@ def scaler_pass_(
     hysteresis: int = 1,
     check_only: bool = False,
     accumulate: bool = False,
+    headroom: float = 0.0,
 ) -> None:
     """ampfused.GradScaler's pass: :func:`unscale_update_scale_` over the scaler's whole state.
 
@@ -197,6 +205,10 @@ def scaler_pass_(
         grad_stats: None, or a float64 ``[grad_stats_rows(grads), len(STAT_FIELDS)]`` tensor
             receiving the header and per-item statistics (:func:`ampfused.reference.grad_stats`
             defines each value).
+        headroom: 0 for torch's rule; > 0 (from 1 to 65504) the headroom policy: the pass also
+            measures the largest finite magnitude of the scaled values into
+            ``next_state[magnitude]`` and the update reads it
+            (:func:`ampfused.reference.update_state`).
         The rest: as in :func:`unscale_update_scale_`.
     """
     args = (
@@ -213,6 +225,7 @@ def scaler_pass_(
         hysteresis,
         check_only,
         accumulate,
+        headroom,
     )
     if is_compiling() or _C.scaler_pass_(*args) is not None:
         _call(torch.ops.ampfused.scaler_pass_, *args)
@@ -228,9 +241,11 @@ def scaler_update_(
     min_scale: float = float("-inf"),
     max_scale: float = float("inf"),
     hysteresis: int = 1,
+    headroom: float = 0.0,
 ) -> None:
     """next_state from state by :func:`scaler_pass_`'s rule, with found_inf (nonzero: inf/NaN
-    found) as the verdict: the update when the verdict was computed elsewhere."""
+    found) as the verdict: the update when the verdict was computed elsewhere.  The magnitude is
+    the one next_state holds (where the passes, or an all-reduce, left it)."""
     torch.ops.ampfused.scaler_update_(
         found_inf,
         state,
@@ -241,6 +256,7 @@ def scaler_update_(
         min_scale,
         max_scale,
         hysteresis,
+        headroom,
     )
 
 

@@ -328,7 +328,7 @@ def clip_grad_norm_(
     total, factor = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.float32)
     state = None
     if scale is not None:
-        state = torch.zeros(9, dtype=torch.int32)
+        state = torch.zeros(STATE_SIZE, dtype=torch.int32)
         state[0:1].view(torch.float32).copy_(scale.reshape(1).cpu())
     clip_factor_(table, state, total, factor, max_norm, norm_type)
     _unscale_(grads, float(factor.item()))
@@ -337,8 +337,17 @@ def clip_grad_norm_(
 
 # ----------------------------------------------------------------------------- the scaler's state
 # GradScaler's state as a list (ops.STATE_FIELDS): [scale, growth_tracker, hysteresis_left, steps,
-# skipped_steps, consecutive_skips, growths, backoffs, floor_hits], the scale a Python float
-# holding a float32 value, the rest Python ints.  The ops keep it in an int32 tensor.
+# skipped_steps, consecutive_skips, growths, backoffs, floor_hits, magnitude, *history], the
+# scale, the magnitude and the HISTORY caps Python floats holding float32 values, the rest
+# Python ints.  The ops keep it in an int32 tensor (the floats as their bits).
+HISTORY = 16
+STATE_SIZE = 12 + HISTORY
+_FLOAT_FIELDS = {0, 9, 10, *range(12, STATE_SIZE)}
+HALF_MAX = 65504.0
+CEILING_WINDOW = 2 * HISTORY
+BLIND_GROWTH_LIMIT = 65536.0
+_INT32_MAX = 2**31 - 1
+_F32_MAX = 3.4028234663852886e38
 
 
 def _f32(x: float) -> float:
@@ -360,11 +369,13 @@ def update_state(
     min_scale: float = float("-inf"),
     max_scale: float = float("inf"),
     hysteresis: int = 1,
+    headroom: float = 0.0,
+    magnitude: float = 0.0,
 ) -> list[int | float]:
     """The scaler's state after one iteration: the rule of ``scaler_pass_`` and ``scaler_update_``.
 
-    ``torch._amp_update_scale_`` (see :func:`update_rule`) with three additions, none of which
-    changes anything at their defaults (-inf, inf, 1):
+    ``torch._amp_update_scale_`` (see :func:`update_rule`) with four additions, none of which
+    changes anything at their defaults (-inf, inf, 1, 0):
 
     * hysteresis (apex's ``update_scale_hysteresis``): an iteration that found inf/NaN uses up one
       of ``hysteresis_left`` (down to 0) and backs the scale off only when none is left, so the
@@ -375,31 +386,77 @@ def update_state(
       already was below (an overflow never raises the scale); that counts as a floor hit.
     * max_scale: a growth that would go above it stops there, or stays where it is when the scale
       already was above (a clean iteration never lowers the scale).
+    * headroom > 0, the headroom policy: ``magnitude`` is the largest finite |scaled gradient| the
+      iteration measured (0: none).  The iteration's entry of the history (slot steps % HISTORY)
+      is, after an overflow, the scale it backed off to; after a clean iteration the cap
+      ``HALF_MAX * scale / (headroom * magnitude)`` (float64, rounded to float32, at most
+      float32's largest finite value; +inf where nothing was measured).  A clean iteration then
+      moves the scale to the lowest cap of the history: up by growth_factor as many times as it
+      stays within it (a growth beyond max_scale held there), else down by backoff_factor until
+      it is within it (held at min_scale), at most 64 factors per iteration.  Where the history
+      holds no cap and there is no ceiling (nothing measured), it grows by growth_factor each
+      clean iteration up to BLIND_GROWTH_LIMIT (torch's initial scale), then by torch's rule.
+      ``since_backoff`` counts clean iterations since the last overflow that backed off
+      (saturating at 2**31 - 1, its value before any): an overflow that backs off while it is
+      below CEILING_WINDOW, or while there is a ceiling, makes its scale the ceiling (if lower),
+      and the scale is then held at most ceiling * backoff_factor; every growth_interval clean
+      iterations after a backoff the ceiling is multiplied by growth_factor (a probe, as torch's
+      rule grows).  The tracker counts clean iterations since the last overflow.
 
     min_scale and max_scale are compared in float32, as the kernels hold them.  The counters
     (int32, wrapping): steps +1 every iteration; skipped_steps +1 and consecutive_skips +1 when
     found, consecutive_skips back to 0 when clean; growths / backoffs +1 when the scale went up /
-    down; floor_hits +1 on a floor hit.
+    down; floor_hits +1 on a floor hit.  The magnitude field becomes the iteration's (+inf when
+    found).
     """
-    scale, tracker, left, steps, skipped, consecutive, growths, backoffs, floor_hits = state
+    state = _full(state)
+    scale, tracker, left, steps, skipped, consecutive, growths, backoffs, floor_hits = state[:9]
+    ceiling = state[10] if headroom > 0 else math.inf
+    since_backoff = state[11]
+    history = list(state[12:])
     scale = _f32(float(scale))
     low, high = _f32(min_scale), _f32(max_scale)
     new_scale, floor_hit = scale, False
+    slot = (steps % 2**32) % HISTORY
+    cap = math.inf
     if found:
+        magnitude = math.inf
         tracker = 0
         left = max(left - 1, 0)
         if left == 0:
             new_scale = _f32(scale * backoff_factor)
             if new_scale < low:
                 new_scale, floor_hit = min(scale, low), True
+            if headroom > 0:
+                if since_backoff < CEILING_WINDOW or math.isfinite(ceiling):
+                    ceiling = min(ceiling, scale)
+                since_backoff = 0
+        cap = new_scale
     else:
         left = hysteresis
         tracker = _wrap32(tracker + 1)
-        if tracker == growth_interval:
+        allowed = math.inf
+        if headroom > 0:
+            since_backoff = min(since_backoff + 1, _INT32_MAX)
+            if growth_interval > 0 and since_backoff % growth_interval == 0:
+                ceiling = _f32(ceiling * growth_factor)  # a probe
+            cap = _headroom_cap(scale, magnitude, headroom)
+            allowed = min([cap, _f32(ceiling * backoff_factor)])
+            allowed = min([allowed] + [h for j, h in enumerate(history) if j != slot])
+        if headroom > 0 and math.isfinite(allowed):
+            new_scale = _headroom_move(scale, allowed, growth_factor, backoff_factor, low, high)
+        elif headroom > 0 and scale < BLIND_GROWTH_LIMIT:  # nothing measured yet: a fast start
+            grown = min(_f32(scale * growth_factor), BLIND_GROWTH_LIMIT)
+            if grown > high:
+                grown = max(scale, high)
+            new_scale = max(grown, scale)
+        elif tracker == growth_interval:
             tracker = 0
             grown = _f32(scale * growth_factor)
             if math.isfinite(grown):  # a growth that overflows float32 keeps the scale
                 new_scale = grown if grown <= high else max(scale, high)
+    if headroom > 0:
+        history[slot] = cap
     return [
         new_scale,
         tracker,
@@ -410,22 +467,123 @@ def update_state(
         _wrap32(growths + (new_scale > scale)),
         _wrap32(backoffs + (new_scale < scale)),
         _wrap32(floor_hits + floor_hit),
+        _f32(magnitude),
+        ceiling if headroom > 0 else state[10],
+        since_backoff,
+        *history,
     ]
+
+
+_F32_INF_BITS = 0x7F800000
+
+
+def _magnitude_bits(state: Tensor) -> int:
+    """A state's magnitude field as the kernels compare it: unsigned float32 bits."""
+    return int(state[9].item()) % 2**32
+
+
+def _bits_f32(bits: int) -> float:
+    return (
+        torch.tensor(bits - 2**32 if bits >= 2**31 else bits, dtype=torch.int32)
+        .view(torch.float32)
+        .item()
+    )
+
+
+def _headroom_cap(scale: float, magnitude: float, headroom: float) -> float:
+    if not magnitude > 0:
+        return math.inf
+    return min(_f32(HALF_MAX * scale / (_f32(headroom) * magnitude)), _F32_MAX)
+
+
+def _headroom_move(
+    scale: float, allowed: float, growth: float, backoff: float, low: float, high: float
+) -> float:
+    s = scale
+    for _ in range(64):
+        g = _f32(s * growth)
+        if not g > s or not math.isfinite(g) or g > allowed:
+            break
+        if g > high:
+            if s < high <= allowed:
+                s = high
+            break
+        s = g
+    if s != scale:
+        return s
+    for _ in range(64):
+        if not s > allowed:
+            break
+        b = _f32(s * backoff)
+        if not b < s:
+            break
+        if b < low:
+            if s > low:
+                s = low
+            break
+        s = b
+    return s
+
+
+def _full(state: list[int | float]) -> list[int | float]:
+    """A state list of the first nine fields only (scale to floor_hits) completed as a fresh
+    state completes them: nothing measured, no ceiling, no backoff yet, no cap."""
+    if len(state) == 9:
+        return [*state, 0.0, math.inf, _INT32_MAX] + [math.inf] * HISTORY
+    return list(state)
+
+
+def initial_state(scale: float, hysteresis: int = 1) -> list[int | float]:
+    """A fresh state: the scale, a zero tracker and counters, ``hysteresis`` left, nothing
+    measured, no cap in the history."""
+    return _full([_f32(scale), 0, hysteresis, 0, 0, 0, 0, 0, 0])
+
+
+def magnitude(grads: list[Tensor]) -> float:
+    """The headroom policy's measurement of a pass without statistics: the largest finite |v|
+    over the (scaled) values of ``grads``, as a float32 (0.0 for none)."""
+    best = 0.0
+    for g in grads:
+        v = g.detach().double().abs()
+        v = v[torch.isfinite(v)]
+        if v.numel():
+            best = max(best, min(_f32(v.max().item()), _F32_MAX))
+    return best
+
+
+def stat_magnitude(item_rows: Tensor, scale: float) -> float:
+    """The measurement of a pass with statistics: each item's abs-max times the scale (float64,
+    rounded to float32, at most its largest finite value), the largest of them (0.0 for none)."""
+    best = 0.0
+    for a in item_rows[:, 1].tolist():
+        if a * scale > 0:  # (a scale <= 0 or NaN measures nothing)
+            best = max(best, min(_f32(a * scale), _F32_MAX))
+    return best
 
 
 def state_to_list(state: Tensor) -> list[int | float]:
     """An int32 state tensor as :func:`update_state` takes it."""
-    return [state[0:1].view(torch.float32).item(), *state[1:].tolist()]
+    ints = state.cpu().tolist()
+    floats = state.cpu().view(torch.float32).tolist()
+    return [floats[k] if k in _FLOAT_FIELDS else ints[k] for k in range(STATE_SIZE)]
 
 
 def state_from_list(values: list[int | float], into: Tensor) -> None:
-    """Writes :func:`update_state`'s list into an int32 state tensor."""
-    into[0:1].view(torch.float32).fill_(values[0])
-    into[1:].copy_(torch.tensor(values[1:], dtype=torch.int32))
+    """Writes :func:`update_state`'s list (or its first nine fields: :func:`_full`) into an
+    int32 state tensor."""
+    values = _full(values)
+    bits = [
+        torch.tensor(v, dtype=torch.float32).view(torch.int32).item() if k in _FLOAT_FIELDS else v
+        for k, v in enumerate(values)
+    ]
+    into.copy_(torch.tensor(bits, dtype=torch.int32))
 
 
-def _update_into(next_state: Tensor, state: Tensor, found: bool, *policy: float | int) -> None:
-    state_from_list(update_state(state_to_list(state), found, *policy), next_state)
+def _update_into(
+    next_state: Tensor, state: Tensor, found: bool, policy: tuple, headroom: float, magnitude: float
+) -> None:
+    new = update_state(state_to_list(state), found, *policy, headroom, magnitude)
+    state_from_list(new, next_state)
 
 
 def scaler_update_(
@@ -438,10 +596,15 @@ def scaler_update_(
     min_scale: float = float("-inf"),
     max_scale: float = float("inf"),
     hysteresis: int = 1,
+    headroom: float = 0.0,
 ) -> None:
+    """The update with found_inf's verdict (nonzero is found, NaN included, as torch's `if
+    (*found_inf)`) and, with headroom > 0, the magnitude next_state holds (+inf there counts as
+    none)."""
     policy = (growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-    # nonzero is found, NaN included, as torch's `if (*found_inf)`
-    _update_into(next_state, state, found_inf.item() != 0, *policy)
+    bits = _magnitude_bits(next_state) if headroom > 0 else 0
+    measured = _bits_f32(bits) if bits < _F32_INF_BITS else 0.0
+    _update_into(next_state, state, found_inf.item() != 0, policy, headroom, measured)
 
 
 def scaler_pass_(
@@ -458,11 +621,18 @@ def scaler_pass_(
     hysteresis: int = 1,
     check_only: bool = False,
     accumulate: bool = False,
+    headroom: float = 0.0,
 ) -> None:
     """:func:`unscale_update_scale_` over the whole state, by :func:`update_state`; grad_stats
     (when given) receives the header (scale in force, steps so far, found) and the rows of
-    :func:`grad_stats`."""
+    :func:`grad_stats`.  With headroom > 0 the pass measures the magnitude (:func:`magnitude`,
+    or with grad_stats :func:`stat_magnitude`); with accumulate the iteration's magnitude is the
+    largest of it and next_state's (+inf there: an earlier pass found inf/NaN), and the update
+    is computed again from state."""
     found = _any_non_finite(grads)
+    measured = 0.0
+    if headroom > 0 and grad_stats is None:
+        measured = magnitude(grads)
     if grad_stats is not None:
         scale = state[0:1].view(torch.float32)
         grad_stats.zero_()
@@ -470,12 +640,18 @@ def scaler_pass_(
         grad_stats[0, 1] = float(state[3].item())  # steps
         grad_stats[0, 2] = 1.0 if found else 0.0
         grad_stats[1:] = _stat_rows(grads, inv_scale_of(scale), check_only).to(grad_stats.device)
+        if headroom > 0:
+            measured = stat_magnitude(grad_stats[1:].cpu(), float(scale.item()))
     if not check_only:
         _unscale_(grads, float(inv_scale_of(state[0:1].view(torch.float32)).item()))
     found_inf.fill_(1.0 if found else 0.0)
-    if not accumulate or found:
-        policy = (growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-        _update_into(next_state, state, found, *policy)
+    if accumulate:  # (as unsigned bits: inf, NaN and negative bits count as found)
+        bits = _magnitude_bits(next_state)
+        found = found or bits >= _F32_INF_BITS
+        if not found:
+            measured = max(measured, _bits_f32(bits))
+    policy = (growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
+    _update_into(next_state, state, found, policy, headroom, measured)
 
 
 _stat_rows = grad_stats  # (scaler_pass_'s argument of that name hides the function)

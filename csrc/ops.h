@@ -67,10 +67,10 @@ struct scaler_pass_ : Handle<scaler_pass_> {
       "ampfused::scaler_pass_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor state, "
       "Tensor(c!) next_state, Tensor(d!)? grad_stats, float growth_factor, float backoff_factor, "
       "int growth_interval, float min_scale, float max_scale, int hysteresis, bool check_only, "
-      "bool accumulate) -> ()";
+      "bool accumulate, float headroom=0.) -> ()";
   using Signature = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const std::optional<at::Tensor>&, double, double, int64_t, double, double,
-                         int64_t, bool, bool);
+                         int64_t, bool, bool, double);
 };
 
 // The scaler's update from a verdict computed elsewhere (found_inf: nonzero = inf/NaN found).
@@ -79,9 +79,9 @@ struct scaler_update_ : Handle<scaler_update_> {
   static constexpr const char* kSchema =
       "ampfused::scaler_update_(Tensor found_inf, Tensor state, Tensor(a!) next_state, "
       "float growth_factor, float backoff_factor, int growth_interval, float min_scale, "
-      "float max_scale, int hysteresis) -> ()";
+      "float max_scale, int hysteresis, float headroom=0.) -> ()";
   using Signature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
-                         int64_t, double, double, int64_t);
+                         int64_t, double, double, int64_t, double);
 };
 
 // float16/bfloat16/float32 gradients unscaled into float32 outputs (unscale_into.h).

@@ -64,7 +64,7 @@ std::optional<std::vector<ScalerFound>> fused_pass(
     py::handle param_groups, const at::Tensor& state, const at::Tensor& next_state,
     double growth_factor, double backoff_factor, int64_t growth_interval, double min_scale,
     double max_scale, int64_t hysteresis, bool check_only, bool accumulate, bool allow_fp16,
-    bool with_stats, py::handle unwrap) {
+    bool with_stats, py::handle unwrap, double headroom) {
   at::Tensor inv_scale;  // for other devices, made on first need
   return per_device(
       param_groups, allow_fp16,
@@ -91,7 +91,7 @@ std::optional<std::vector<ScalerFound>> fused_pass(
           const at::Tensor next = here ? next_state : at::empty_like(s);
           ops::scaler_pass_::call(grads, f, s, next, stats, growth_factor, backoff_factor,
                                   growth_interval, min_scale, max_scale, hysteresis, check_only,
-                                  here && accumulate);
+                                  here && accumulate, here ? headroom : 0.0);
           return {device, f, stats, positions};
         }
         f.zero_();
@@ -295,7 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("next_state"), py::arg("growth_factor"), py::arg("backoff_factor"),
         py::arg("growth_interval"), py::arg("min_scale"), py::arg("max_scale"),
         py::arg("hysteresis"), py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"),
-        py::arg("with_stats"), py::arg("unwrap") = py::none());
+        py::arg("with_stats"), py::arg("unwrap") = py::none(), py::arg("headroom") = 0.0);
   m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
         py::arg("found_inf"), py::arg("allow_fp16"), py::arg("unwrap") = py::none());
   m.def("reduce_grad_stats", &ampfused::reduce_grad_stats, py::arg("item_rows"), py::arg("numels"));

@@ -102,13 +102,18 @@ void check_grad_stats(const at::Tensor& t, at::TensorList grads, const at::Devic
 
 PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
                          double growth_factor, double backoff_factor, int64_t growth_interval,
-                         double min_scale, double max_scale, int64_t hysteresis) {
+                         double min_scale, double max_scale, int64_t hysteresis, double headroom) {
   TORCH_CHECK(hysteresis >= 1 && hysteresis <= INT32_MAX,
               "hysteresis must be an int >= 1 (the number of consecutive overflowing steps "
               "that backs the scale off; 1 is torch's rule), got ",
               hysteresis);
   TORCH_CHECK(!(min_scale > max_scale), "min_scale (", min_scale, ") must not exceed max_scale (",
               max_scale, ")");
+  TORCH_CHECK(headroom == 0.0 || (headroom >= 1.0 && headroom <= 65504.0),
+              "headroom must be 0 (torch's rule) or a factor from 1 to 65504 (how far below "
+              "float16's largest finite value the headroom policy keeps the largest measured "
+              "magnitude), got ",
+              headroom);
   PassParams p;
   const int32_t* in = state.const_data_ptr<int32_t>();
   int32_t* out = next_state.mutable_data_ptr<int32_t>();
@@ -125,6 +130,7 @@ PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
   p.policy.min_scale = static_cast<float>(min_scale);
   p.policy.max_scale = static_cast<float>(max_scale);
   p.policy.hysteresis = static_cast<int32_t>(hysteresis);
+  p.policy.headroom = static_cast<float>(headroom);
   return p;
 }
 

@@ -35,13 +35,18 @@
 //   ampfused::scaler_pass_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor state,
 //       Tensor(c!) next_state, Tensor(d!)? grad_stats, float growth_factor,
 //       float backoff_factor, int growth_interval, float min_scale, float max_scale,
-//       int hysteresis, bool check_only, bool accumulate) -> ()
+//       int hysteresis, bool check_only, bool accumulate, float headroom=0.) -> ()
 //     ampfused.GradScaler's pass: unscale_update_scale_ with the scaler's whole state in one
 //     int32 tensor of kScalerStateSize elements (ScalerState in unscale_math.h: the scale's
 //     float32 bits, the growth tracker, hysteresis left and the counters), next_state written
 //     from state as next_scale/next_growth_tracker are above, by update_scale_state: torch's rule
 //     extended by min_scale/max_scale (a backoff or growth beyond them is held there) and
-//     hysteresis (>= 1; back off on that many consecutive overflowing iterations).
+//     hysteresis (>= 1; back off on that many consecutive overflowing iterations).  headroom > 0
+//     selects the headroom policy (update_scale_state in unscale_math.h): the pass also measures
+//     the largest finite |v| of the scaled values it reads (MagnitudeOf; with grad_stats, from
+//     each item's abs-max times the scale) into next_state[kStateMagnitude] (with accumulate,
+//     the max with what is there: +inf once a pass found inf/NaN), and the update moves the scale
+//     by it and the history of caps in the state, instead of every growth_interval steps.
 //     grad_stats, when given, is a float64 [grad_stats_rows(grads), kStatFields] contiguous
 //     tensor that receives the pass header and per-item statistics (unscale_math.h, StatField;
 //     what each field means exactly: ampfused/reference.py, grad_stats).  Gradients with
@@ -49,9 +54,12 @@
 //
 //   ampfused::scaler_update_(Tensor found_inf, Tensor state, Tensor(a!) next_state,
 //       float growth_factor, float backoff_factor, int growth_interval, float min_scale,
-//       float max_scale, int hysteresis) -> ()
+//       float max_scale, int hysteresis, float headroom=0.) -> ()
 //     next_state from state and found_inf (nonzero: inf/NaN was found) by the same rule: the
 //     update when the verdict comes from elsewhere (several devices, a found_inf all-reduced).
+//     With headroom > 0 the magnitude is read from next_state[kStateMagnitude] first (where the
+//     passes, and an all-reduce, left it; +inf there counts as none: found_inf alone decides what
+//     was found).
 //
 // Requirements (checked, with errors that name the argument): grads are float16, bfloat16,
 // float32 or float64 strided tensors on one device, the device of found_inf; scale, inv_scale
@@ -122,7 +130,7 @@ int64_t grad_stats_rows(at::TensorList grads);
 // (checked: factors, hysteresis >= 1, min_scale <= max_scale).
 PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
                          double growth_factor, double backoff_factor, int64_t growth_interval,
-                         double min_scale, double max_scale, int64_t hysteresis);
+                         double min_scale, double max_scale, int64_t hysteresis, double headroom);
 // Packs the non-dense grads, launches the pass over dense spans, writes the packed ones back.
 void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
               LaunchFn launch);
@@ -184,7 +192,8 @@ struct Kernels {
                            const at::Tensor& state, const at::Tensor& next_state,
                            const std::optional<at::Tensor>& grad_stats, double growth_factor,
                            double backoff_factor, int64_t growth_interval, double min_scale,
-                           double max_scale, int64_t hysteresis, bool check_only, bool accumulate) {
+                           double max_scale, int64_t hysteresis, bool check_only, bool accumulate,
+                           double headroom) {
     const at::Device device = check_found_inf(found_inf);
     check_scaler_state(state, "state", device);
     check_scaler_state(next_state, "next_state", device);
@@ -192,7 +201,7 @@ struct Kernels {
     const bool stats = grad_stats.has_value() && grad_stats->defined();
     if (stats) check_grad_stats(*grad_stats, grads, device);
     PassParams p = scaler_params(state, next_state, growth_factor, backoff_factor, growth_interval,
-                                 min_scale, max_scale, hysteresis);
+                                 min_scale, max_scale, hysteresis, headroom);
     p.check_only = check_only;
     p.found_inf = found_inf.mutable_data_ptr<float>();
     p.overwrite_found_inf = true;
@@ -204,13 +213,14 @@ struct Kernels {
   static void scaler_update_(const at::Tensor& found_inf, const at::Tensor& state,
                              const at::Tensor& next_state, double growth_factor,
                              double backoff_factor, int64_t growth_interval, double min_scale,
-                             double max_scale, int64_t hysteresis) {
+                             double max_scale, int64_t hysteresis, double headroom) {
     const at::Device device = check_found_inf(found_inf);
     check_scaler_state(state, "state", device);
     check_scaler_state(next_state, "next_state", device);
     PassParams p = scaler_params(state, next_state, growth_factor, backoff_factor, growth_interval,
-                                 min_scale, max_scale, hysteresis);
+                                 min_scale, max_scale, hysteresis, headroom);
     p.found_in = found_inf.const_data_ptr<float>();
+    p.magnitude_in = p.next_counters;
     run_pass({}, found_inf, p, Launch);
   }
 };

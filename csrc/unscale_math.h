@@ -244,6 +244,9 @@ AMPFUSED_INLINE float inv_scale_of(float scale) {
   return static_cast<float>(1.0 / static_cast<double>(scale));
 }
 
+// The headroom policy's history: the scale caps of this many recent iterations.
+constexpr int kHistory = 16;
+
 // The GradScaler state the scaler ops (scaler_pass_, scaler_update_) read and write: one int32
 // tensor, so one copy commits an iteration's update.  The scale is stored as its float32 bits
 // (ampfused.GradScaler's _scale is a float32 view of element 0).
@@ -257,7 +260,20 @@ enum ScalerState : int {
   kStateGrowths,           // iterations that raised the scale
   kStateBackoffs,          // iterations that lowered the scale
   kStateFloorHits,         // backoffs held at min_scale
-  kScalerStateSize,
+  // float32 bits: the largest finite |scaled gradient| the iteration's passes measured (the
+  // headroom policy's measurement, Magnitude below), +inf where one found inf/NaN, 0 where
+  // nothing was measured.  In next_state the passes of an iteration combine it (max).
+  kStateMagnitude,
+  // float32 bits: the headroom policy's ceiling, a scale that overflowed again soon after an
+  // overflow (the measured magnitudes miss what overflows there); +inf: none.
+  kStateCeiling,
+  // The headroom policy's count of clean iterations since the last overflow that backed the
+  // scale off (saturating at INT32_MAX, its value before any).
+  kStateSinceBackoff,
+  // kHistory float32 bits: the headroom policy's scale caps (headroom_cap) of the last kHistory
+  // iterations, iteration `steps` at kStateHistory + steps % kHistory; +inf: no cap known.
+  kStateHistory,
+  kScalerStateSize = kStateHistory + kHistory,
 };
 // Counters are int32 and wrap modulo 2^32 (2^31 steps is years of training).
 AMPFUSED_INLINE int32_t counter_plus(int32_t c, int32_t add) {
@@ -274,7 +290,91 @@ struct ScalePolicy {
   float min_scale = -__builtin_huge_valf();
   float max_scale = __builtin_huge_valf();
   int32_t hysteresis = 1;  // back off on the hysteresis-th consecutive overflowing step
+  // > 0: the headroom policy (update_scale_state): the scale is moved so that the largest
+  // measured magnitude stays `headroom` times below float16's largest finite value, instead of
+  // growing every growth_interval clean steps.  0: torch's rule.
+  float headroom = 0.0f;
 };
+
+// float16's largest finite value: the ceiling the headroom policy keeps its distance from.
+constexpr float kHalfMax = 65504.0f;
+// An overflow backing off within this many clean iterations of an earlier one sets the ceiling.
+constexpr int32_t kCeilingWindow = 2 * kHistory;
+// Where nothing is measured the headroom policy grows each clean iteration up to this scale
+// (torch's initial scale), then by torch's rule.
+constexpr float kBlindGrowthLimit = 65536.0f;
+
+// ---------------------------------------------------------------------------------------------
+// The headroom policy's measurement: the largest finite |v| over the scaled values v a pass
+// reads, taken on each element's storage bits (sign cleared, inf/NaN counted as 0: for
+// non-negative values of one format integer order is value order) and turned into a float32
+// at the end of a run (MagnitudeOf<T>::to_float_bits), where the runs of a pass combine by an
+// unsigned max of float32 bits (atomicMax across CUDA blocks).
+template <typename T>
+struct MagnitudeOf {  // float32
+  using type = uint32_t;
+  static AMPFUSED_INLINE uint32_t of(float x) {
+    const uint32_t u = float_bits(x) & 0x7fffffffu;
+    return u & (0u - static_cast<uint32_t>(u < kFloatExpMask));  // (a mask: vectorizes)
+  }
+  static AMPFUSED_INLINE uint32_t to_float_bits(uint32_t b) { return b; }
+};
+template <>
+struct MagnitudeOf<double> {
+  using type = uint64_t;
+  static AMPFUSED_INLINE uint64_t of(double x) {
+    const uint64_t u = double_bits(x) & 0x7fffffffffffffffull;
+    return u & (0ull - static_cast<uint64_t>(u < kDoubleExpMask));
+  }
+  // Rounded to float32, up to float32's largest finite value (a float64 beyond its range).
+  static AMPFUSED_INLINE uint32_t to_float_bits(uint64_t b) {
+    double d;
+#if AMPFUSED_CUDA_INTRINSICS
+    d = __longlong_as_double(static_cast<long long>(b));
+#else
+    std::memcpy(&d, &b, sizeof(d));
+#endif
+    const uint32_t f = float_bits(static_cast<float>(d));
+    return f < kFloatExpMask ? f : kFloatExpMask - 1u;
+  }
+};
+template <>
+struct MagnitudeOf<c10::Half> {
+  using type = uint16_t;
+  static AMPFUSED_INLINE uint16_t of(c10::Half x) {
+    const uint16_t h = x.x & 0x7fffu;
+    return static_cast<uint16_t>(h & (0u - static_cast<uint32_t>(h < kHalfExpMask)));
+  }
+  static AMPFUSED_INLINE uint32_t to_float_bits(uint16_t b) {
+    return float_bits(static_cast<float>(c10::Half(b, c10::Half::from_bits())));
+  }
+};
+template <>
+struct MagnitudeOf<c10::BFloat16> {
+  using type = uint16_t;
+  static AMPFUSED_INLINE uint16_t of(c10::BFloat16 x) {
+    const uint16_t h = x.x & 0x7fffu;
+    return static_cast<uint16_t>(h & (0u - static_cast<uint32_t>(h < kBFloat16ExpMask)));
+  }
+  static AMPFUSED_INLINE uint32_t to_float_bits(uint16_t b) {
+    return static_cast<uint32_t>(b) << 16;
+  }
+};
+template <typename T>
+using magnitude_bits_t = typename MagnitudeOf<T>::type;
+
+// The measurement of a pass with statistics, from an item's abs-max of unscaled values:
+// abs_max * scale (in float64, rounded to float32, up to its largest finite value; 0 where not
+// positive).  It equals
+// the largest finite |v| where the scale is a power of two and no value underflowed.
+// A product that is not positive (a scale <= 0 or NaN) measures nothing.
+template <typename M>
+AMPFUSED_INLINE uint32_t stat_magnitude_bits(M abs_max, float scale) {
+  const double product = static_cast<double>(abs_max) * scale;
+  if (!(product > 0.0)) return 0u;
+  const uint32_t f = float_bits(static_cast<float>(product));
+  return f < kFloatExpMask ? f : kFloatExpMask - 1u;
+}
 
 // Per-gradient statistics (opt-in: scaler_pass_'s grad_stats), a float64 table of kStatFields
 // columns.  Row 0 is the pass header, then one row per work item of kChunkSize elements
@@ -514,6 +614,9 @@ struct PassParams {
   int32_t* next_counters = nullptr;
   ScalePolicy policy;
   double* grad_stats = nullptr;  // the opt-in statistics table above, or null
+  // scaler_update_: the iteration's measured magnitude as the passes left it in next_state
+  // (kStateMagnitude; read before next_state is written), combined with found_in.
+  const int32_t* magnitude_in = nullptr;
 
   // What each element is multiplied by; a check-only pass reads no scale (1 is never applied).
   AMPFUSED_INLINE float inv_scale() const {
@@ -526,23 +629,94 @@ struct PassParams {
     if (scale == nullptr) return 1.0f;
     return scale_is_inverse ? *scale : inv_scale_of(*scale);
   }
+  // Whether the pass measures the magnitude (MagnitudeOf): for the headroom policy's update.
+  AMPFUSED_INLINE bool measures() const {
+    return with_update && counters != nullptr && policy.headroom > 0.0f;
+  }
   // The end of the pass (the CPU after its loop, the last CUDA block): found_inf, the update.
   AMPFUSED_INLINE bool needs_whole_pass() const {
     return overwrite_found_inf || with_update || grad_stats != nullptr;
   }
 };
 
+// The headroom policy's cap from one clean iteration: the largest scale at which the magnitude
+// measured at `scale` would stay `headroom` times below kHalfMax (float64, rounded to float32,
+// at most float32's largest finite value); +inf (no cap) where nothing was measured.
+AMPFUSED_INLINE float headroom_cap(float scale, float magnitude, float headroom) {
+  if (!(magnitude > 0.0f)) return __builtin_huge_valf();
+  const float cap = static_cast<float>(static_cast<double>(kHalfMax) * static_cast<double>(scale) /
+                                       (static_cast<double>(headroom) * magnitude));
+  return non_finite(cap) ? bits_float(kFloatExpMask - 1u) : cap;
+}
+
+// The headroom policy's move for a clean iteration, given the lowest cap of the history
+// (`allowed`, finite): up by growth_factor as many times as the scale stays within allowed
+// (and max_scale, where a growth beyond it is held), else down by backoff_factor until it is
+// within allowed (a lowering held at min_scale).  Each factor is applied as torch applies it
+// (float64 product rounded to float32), at most 64 times per iteration.
+AMPFUSED_INLINE float headroom_move(float scale, float allowed, const ScalePolicy& p) {
+  float s = scale;
+  for (int i = 0; i < 64; ++i) {
+    const float g = static_cast<float>(static_cast<double>(s) * p.growth_factor);
+    if (!(g > s) || non_finite(g) || g > allowed) break;
+    if (g > p.max_scale) {
+      if (s < p.max_scale && p.max_scale <= allowed) s = p.max_scale;
+      break;
+    }
+    s = g;
+  }
+  if (s != scale) return s;
+  for (int i = 0; i < 64 && s > allowed; ++i) {
+    const float b = static_cast<float>(static_cast<double>(s) * p.backoff_factor);
+    if (!(b < s)) break;
+    if (b < p.min_scale) {
+      if (s > p.min_scale) s = p.min_scale;
+      break;
+    }
+    s = b;
+  }
+  return s;
+}
+
 // torch._amp_update_scale_ (aten/src/ATen/native/cuda/AmpKernels.cu), element for element under
 // the default policy, extended by min_scale, max_scale, hysteresis (apex's
 // update_scale_hysteresis: each overflowing step uses up one of hysteresis_left and the scale
-// backs off once none is left; any clean step refills it) and the counters.  `counters` and
-// `out_counters` point at state[kStateHysteresisLeft]; null gives torch's rule (hysteresis 1).
+// backs off once none is left; any clean step refills it), the headroom policy and the
+// counters.  `counters` and `out_counters` point at state[kStateHysteresisLeft]; null gives
+// torch's rule (hysteresis 1, no headroom).
+//
+// The headroom policy (p.headroom > 0, with counters): an overflow backs off as above, and its
+// history entry is the scale it backed off to (the scale is held at or below it while the entry
+// is in the history); a clean iteration's entry is headroom_cap of its measured magnitude, and
+// the scale moves to the lowest cap of the history (headroom_move), growing as soon as every
+// recent iteration leaves room and lowering, with no overflow needed, when one leaves none.
+// An overflow that backs off within kCeilingWindow clean iterations of the last overflow that
+// backed off (the measured magnitudes miss what overflows at that scale: a spike does not come
+// twice in a row) makes its scale the ceiling: the scale stays at most the ceiling times
+// backoff_factor, and every growth_interval clean iterations after that backoff the ceiling rises
+// by growth_factor (a probe, as torch's rule grows).  Once there is a ceiling, any overflow that
+// backs off below it (a probe's) lowers it to its scale.  Where no entry of the history holds a cap
+// and there is no ceiling (nothing measured: no gradient was read, or all were zero), the scale
+// grows by growth_factor each clean iteration up to kBlindGrowthLimit, then by torch's rule.
+// Under the headroom policy the growth tracker counts clean iterations since the last overflow.
 AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int32_t* counters,
-                                        bool found, const ScalePolicy& p, float* out_scale,
-                                        int32_t* out_tracker, int32_t* out_counters) {
+                                        bool found, float magnitude, const ScalePolicy& p,
+                                        float* out_scale, int32_t* out_tracker,
+                                        int32_t* out_counters) {
   float next = scale;
   bool floor_hit = false;
   int32_t hysteresis_left = counters != nullptr ? counters[0] : 1;
+  const auto in = [&](int field) { return counters[field - kStateHysteresisLeft]; };
+  const bool headroom = p.headroom > 0.0f && counters != nullptr;
+  float cap = __builtin_huge_valf();  // this iteration's history entry
+  int slot = 0;
+  float ceiling = __builtin_huge_valf();
+  int32_t since_backoff = 0;
+  if (headroom) {
+    slot = static_cast<int>(static_cast<uint32_t>(in(kStateSteps)) % kHistory);
+    ceiling = bits_float(static_cast<uint32_t>(in(kStateCeiling)));
+    since_backoff = in(kStateSinceBackoff);
+  }
   if (found) {
     *out_tracker = 0;
     hysteresis_left = hysteresis_left > 1 ? hysteresis_left - 1 : 0;
@@ -552,11 +726,43 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
         next = scale < p.min_scale ? scale : p.min_scale;
         floor_hit = true;
       }
+      if (headroom) {
+        // (with a ceiling, as at a probe, any overflow below it lowers it)
+        if ((since_backoff < kCeilingWindow || !non_finite(ceiling)) && scale < ceiling) {
+          ceiling = scale;
+        }
+        since_backoff = 0;
+      }
     }
+    cap = next;
   } else {
     hysteresis_left = p.hysteresis;
     const int32_t successful = tracker + 1;
-    if (successful == p.growth_interval) {
+    float allowed = __builtin_huge_valf();
+    if (headroom) {
+      if (since_backoff < INT32_MAX) ++since_backoff;
+      if (p.growth_interval > 0 && since_backoff % p.growth_interval == 0) {
+        ceiling = static_cast<float>(static_cast<double>(ceiling) * p.growth_factor);  // a probe
+      }
+      cap = headroom_cap(scale, magnitude, p.headroom);
+      allowed = cap;
+      for (int j = 0; j < kHistory; ++j) {
+        const float h = bits_float(static_cast<uint32_t>(in(kStateHistory + j)));
+        if (j != slot && h < allowed) allowed = h;
+      }
+      const float below = static_cast<float>(static_cast<double>(ceiling) * p.backoff_factor);
+      if (below < allowed) allowed = below;
+    }
+    if (headroom && !non_finite(allowed)) {
+      next = headroom_move(scale, allowed, p);
+      *out_tracker = successful;
+    } else if (headroom && scale < kBlindGrowthLimit) {  // nothing measured yet: a fast start
+      float grown = static_cast<float>(static_cast<double>(scale) * p.growth_factor);
+      if (grown > kBlindGrowthLimit) grown = kBlindGrowthLimit;
+      if (grown > p.max_scale) grown = scale > p.max_scale ? scale : p.max_scale;
+      next = grown > scale ? grown : scale;
+      *out_tracker = successful;
+    } else if (successful == p.growth_interval) {
       float grown = static_cast<float>(static_cast<double>(scale) * p.growth_factor);
       // A grown scale that overflowed float32 is not taken; the tracker still resets.
       if (non_finite(grown)) grown = scale;
@@ -569,7 +775,6 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
   }
   *out_scale = next;
   if (out_counters == nullptr) return;
-  const auto in = [&](int field) { return counters[field - kStateHysteresisLeft]; };
   int32_t* out = out_counters - kStateHysteresisLeft;  // indexed by ScalerState from here
   out[kStateHysteresisLeft] = hysteresis_left;
   out[kStateSteps] = counter_plus(in(kStateSteps), 1);
@@ -578,11 +783,17 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
   out[kStateGrowths] = counter_plus(in(kStateGrowths), next > scale ? 1 : 0);
   out[kStateBackoffs] = counter_plus(in(kStateBackoffs), next < scale ? 1 : 0);
   out[kStateFloorHits] = counter_plus(in(kStateFloorHits), floor_hit ? 1 : 0);
+  out[kStateMagnitude] = static_cast<int32_t>(float_bits(magnitude));
+  out[kStateCeiling] = headroom ? static_cast<int32_t>(float_bits(ceiling)) : in(kStateCeiling);
+  out[kStateSinceBackoff] = headroom ? since_backoff : in(kStateSinceBackoff);
+  for (int j = 0; j < kHistory; ++j) out[kStateHistory + j] = in(kStateHistory + j);
+  if (headroom) out[kStateHistory + slot] = static_cast<int32_t>(float_bits(cap));
 }
 
 // Writes found_inf, the grad_stats header and, with_update, the pending state.  Called once per
-// pass, after every element has been checked.
-AMPFUSED_INLINE void finish_pass(bool found, const PassParams& p) {
+// pass, after every element has been checked; `measured`: the pass's magnitude as float32 bits
+// (0 where it measured none).
+AMPFUSED_INLINE void finish_pass(bool found, uint32_t measured, const PassParams& p) {
   if (p.found_in != nullptr && *p.found_in != 0.0f) found = true;
   if (p.found_inf != nullptr) {
     if (found) {
@@ -599,10 +810,30 @@ AMPFUSED_INLINE void finish_pass(bool found, const PassParams& p) {
     header[kHeaderFound] = found ? 1.0 : 0.0;
   }
   if (!p.with_update) return;
-  if (!p.accumulate || found) {
-    update_scale_state(*p.scale, *p.growth_tracker, p.counters, found, p.policy, p.next_scale,
-                       p.next_growth_tracker, p.next_counters);
+  if (p.counters == nullptr) {  // unscale_update_scale_: torch's state, torch's rule
+    if (!p.accumulate || found) {
+      update_scale_state(*p.scale, *p.growth_tracker, nullptr, found, 0.0f, p.policy, p.next_scale,
+                         p.next_growth_tracker, nullptr);
+    }
+    return;
   }
+  // The iteration's magnitude: +inf once a pass found inf/NaN, else the largest measured.  A
+  // later pass of the iteration (accumulate) combines with what the earlier ones left in
+  // next_state and computes the update again from the unchanged state.
+  uint32_t m = found ? kFloatExpMask : measured;
+  const int32_t* earlier = p.accumulate               ? p.next_counters
+                           : p.policy.headroom > 0.0f ? p.magnitude_in
+                                                      : nullptr;
+  if (earlier != nullptr) {
+    uint32_t e = static_cast<uint32_t>(earlier[kStateMagnitude - kStateHysteresisLeft]);
+    if (p.magnitude_in != nullptr && e >= kFloatExpMask) e = 0;  // (scaler_update_: found_in says)
+    if (e > m) m = e;
+  }
+  // (bits at or above +inf's: inf, NaN or a sign, an earlier pass's verdict: found)
+  const bool any_found = m >= kFloatExpMask;
+  update_scale_state(*p.scale, *p.growth_tracker, p.counters, any_found,
+                     any_found ? __builtin_huge_valf() : bits_float(m), p.policy, p.next_scale,
+                     p.next_growth_tracker, p.next_counters);
 }
 
 }  // namespace ampfused

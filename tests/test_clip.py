@@ -314,7 +314,7 @@ def _sparse_table(device: str) -> torch.Tensor:
 # Bad arguments: argument -> [(id, replacement made on the test's device, exception, message)].
 TABLE_MSG = r"^grad_stats must be the contiguous float64 \[rows, 6\] table scaler_pass_ wrote"
 OUT_MSG = "must be a one-element float32 tensor"
-STATE_MSG = r"^state must be a contiguous int32 tensor of 9 elements"
+STATE_MSG = rf"^state must be a contiguous int32 tensor of {ops.STATE_SIZE} elements"
 NORM_MSG = r"^clip_factor_ computes norm_type 2 or inf, got "
 BAD: dict[str, list[tuple[str, Callable[[str], Any], type, str]]] = {
     "grad_stats": [

@@ -351,13 +351,20 @@ def test_items_shorter_than_their_peel(host, dtype: torch.dtype) -> None:  # noq
 @pytest.mark.parametrize("grad_set", list(GRAD_SETS))
 def test_scaler_pass(host, schedule: str, grad_set: str) -> None:  # noqa: ANN001
     grads = with_specials(GRAD_SETS[grad_set](), "late" if "launch" in grad_set else "clean")
-    policies = [(2.0, 0.5, 3, -INF, INF, 1), (2.0, 0.25, 1, 2.0**15, 2.0**16, 3)]
-    for policy in policies:
+    # (the last: the headroom policy, whose pass measures the magnitude across blocks)
+    policies = [
+        (2.0, 0.5, 3, -INF, INF, 1, 0.0),
+        (2.0, 0.25, 1, 2.0**15, 2.0**16, 3, 0.0),
+        (2.0, 0.5, 3, 1.0, INF, 1, 8.0),
+    ]
+    for *policy, headroom in policies:
         for check_only in (False, True):
             for accumulate in (False, True):
                 nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+                nxt[9] = 0x3F800000 if accumulate else -5  # (an earlier pass's magnitude: 1.0)
                 args = [grads, torch.full((1,), 9.0), state(2.0**16, 2, 2), nxt, None]
-                run_three(host, "scaler_pass_", args + [*policy, check_only, accumulate])
+                args += [*policy, check_only, accumulate, headroom]
+                run_three(host, "scaler_pass_", args)
 
 
 def _stats_table(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -370,14 +377,14 @@ def test_scaler_pass_with_statistics(host, schedule: str, grad_set: str, special
     if grad_set == "two-launches" and (schedule, specials) != ("grid3-inflight2", "single"):
         pytest.skip("two-launch statistics run once (some 2,000 items of 512 fibers each)")
     grads = with_specials(GRAD_SETS[grad_set](), specials)
-    for check_only in (False, True):
+    for check_only, headroom in ((False, 0.0), (True, 0.0), (False, 8.0)):
         args = [
             grads,
             torch.zeros(1),
             state(2.0**10),
             torch.zeros(ops.STATE_SIZE, dtype=torch.int32),
         ]
-        args += [_stats_table(grads), 2.0, 0.5, 2000, -INF, INF, 1, check_only, False]
+        args += [_stats_table(grads), 2.0, 0.5, 2000, -INF, INF, 1, check_only, False, headroom]
         out = run_three(host, "scaler_pass_", args)
         # The table feeds clip_factor_ as the scaler's clip does.
         table, nxt = out[4], out[3]
@@ -454,14 +461,21 @@ def test_last_block_hand_off_under_interleavings(host, blocks: int, in_flight: i
     for seed in range(48):
         host.configure(1000 * blocks + seed, in_flight, blocks, False)
         grads = [copy_of(g) for g in clean]
+        # The headroom policy's magnitude, max-ed across the blocks as the flag is OR-ed: the
+        # largest element sits in a different block each pass (measured in a pass without NaN).
+        grads[(3 * seed + 1) % blocks][seed % 5] = 2.0**20 + seed
+        measured = [copy_of(g) for g in grads]
         if seed % 8 != 7:  # one clean pass in eight
             grads[(5 * seed) % blocks][seed % 5] = NAN
-        for accumulate in (False, True):
+        for accumulate, headroom in ((False, 0.0), (True, 0.0), (False, 8.0)):
+            if headroom:
+                grads = measured
             nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
             args = [grads, torch.full((1,), 3.0), state(2.0**16, 2, 1), nxt, None]
-            run_three(host, "scaler_pass_", args + [2.0, 0.5, 3, -INF, INF, 1, True, accumulate])
+            args += [2.0, 0.5, 3, -INF, INF, 1, True, accumulate, headroom]
+            run_three(host, "scaler_pass_", args)
         launches, blocks_run, _, _, points, switches = host.counters()
-        assert (launches, blocks_run) == (2, 2 * blocks) and points >= blocks_run, host.counters()
+        assert (launches, blocks_run) == (3, 3 * blocks) and points >= blocks_run, host.counters()
         switched += switches
     assert switched > 48 * blocks, switched  # the blocks really interleaved
 
@@ -509,9 +523,11 @@ def test_scaler_update(host) -> None:  # noqa: ANN001
             for hyst in (1, 2):
                 for scale in (2.0**16, 2.0**127, 2.0**-126):
                     for policy in policies:
-                        nxt = torch.full((ops.STATE_SIZE,), -1, dtype=torch.int32)
-                        args = [torch.tensor([found]), state(scale, tracker, hyst), nxt, *policy]
-                        run_three(host, "scaler_update_", args)
+                        for headroom in (0.0, 8.0):
+                            nxt = torch.full((ops.STATE_SIZE,), -1, dtype=torch.int32)
+                            nxt[9:10].view(F32).fill_(3e3)  # the magnitude the passes left
+                            args = [torch.tensor([found]), state(scale, tracker, hyst), nxt]
+                            run_three(host, "scaler_update_", args + [*policy, headroom])
 
 
 # ---------------------------------------------------------------------------------- clipping
@@ -650,32 +666,37 @@ def _kernel_names() -> set[str]:
     names = {f"{ns}clip_factor_kernel"} | {f"{ns}unscale_into_kernel<{c}>" for c in (128, 1024)}
     for check_only in ("true", "false"):
         for float_only in ("true", "false"):
-            for stats in ("true", "false"):
+            # (a pass with statistics measures in its own kernel: no kernel of its own)
+            for stats, measure in (("true", "false"), ("false", "false"), ("false", "true")):
                 for cap in (SMALL, LARGE):
-                    names.add(f"{ns}unscale_kernel<{check_only}, {float_only}, {stats}, {cap}>")
+                    names.add(
+                        f"{ns}unscale_kernel<{check_only}, {float_only}, {stats}, {measure}, {cap}>"
+                    )
     return names
 
 
 def test_every_kernel_of_csrc_cuda_is_executed(host) -> None:  # noqa: ANN001
-    """Each instantiation of each __global__ function of csrc/cuda/ (19) runs on the host layer,
-    held to the CPU kernels: the 16 unscale_kernel variants (check-only or writing, float32-only
-    or mixed, with or without statistics, small or large launch), clip_factor_kernel and both
-    unscale_into_kernel capacities."""
+    """Each instantiation of each __global__ function of csrc/cuda/ (27) runs on the host layer,
+    held to the CPU kernels: the 24 unscale_kernel variants (check-only or writing, float32-only
+    or mixed, with statistics, without, or measuring for the headroom policy, small or large
+    launch), clip_factor_kernel and both unscale_into_kernel capacities."""
     host.configure(7, 2, 3, False)
     for dtypes in ((F32,), (F32, F16)):  # the float-only kernel, the mixed one
         for n in (SMALL - 4, SMALL - 3):  # 256 items: the small launch; 257: the large one
             grads = _many(n, dtypes, n)
             for check_only in (False, True):
-                for table in (None, _stats_table(grads)):
+                for table, headroom in ((None, 0.0), (_stats_table(grads), 0.0), (None, 8.0)):
                     args = [
                         grads,
                         torch.zeros(1),
                         state(),
                         torch.zeros(ops.STATE_SIZE, dtype=torch.int32),
                     ]
-                    args += [table, 2.0, 0.5, 3, -INF, INF, 1, check_only, False]
+                    args += [table, 2.0, 0.5, 3, -INF, INF, 1, check_only, False, headroom]
                     out = run_three(host, "scaler_pass_", args, ("cpu",))
-    clip = [out[4], out[3], torch.zeros(1), torch.zeros(1), 1.0, 2.0]
+                    if table is not None:
+                        stats_out = out
+    clip = [stats_out[4], stats_out[3], torch.zeros(1), torch.zeros(1), 1.0, 2.0]
     run_three(host, "clip_factor_", clip)
     for n in (128, 129):
         grads = [_values(5, F16, k) for k in range(n)]
@@ -686,7 +707,7 @@ def test_every_kernel_of_csrc_cuda_is_executed(host) -> None:  # noqa: ANN001
         )
     launched = {line.rsplit(" ", 1)[0] for line in host.kernels_launched()}
     assert launched >= _kernel_names(), sorted(_kernel_names() - launched)
-    assert len(_kernel_names()) == 19
+    assert len(_kernel_names()) == 27
 
 
 # ----------------------------------------------------------------------------- the GPU day

@@ -1628,7 +1628,7 @@ def walk_torch(groups, device: str, allow_fp16: bool = False) -> dict:
 def walk_ours(groups, device: str, allow_fp16: bool = False, fused: bool = False):
     if not fused:
         return _C.unscale_grads(groups, scalar(0.5, device), scalar(0.0, device), allow_fp16)
-    state = torch.zeros(9, dtype=I32, device=device)
+    state = torch.zeros(ops.STATE_SIZE, dtype=I32, device=device)
     state[0] = scalar(2.0, device).view(I32)
     state[2] = 1
     inf = float("inf")

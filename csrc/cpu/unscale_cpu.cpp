@@ -26,22 +26,43 @@ constexpr int64_t kParallelMinBytes = 256 * 1024;
 // Work item for the parallel split, in bytes of gradient.
 constexpr int64_t kChunkBytes = 256 * 1024;
 
+// The largest of two magnitudes (float32 bits, or a run's storage bits: MagnitudeOf).
+template <typename B>
+AMPFUSED_INLINE B max_bits(B a, B b) {
+  return a > b ? a : b;
+}
+
 // One dense run: returns whether any input element was inf/NaN.  The per-element rule is
 // unscale_math.h's visit(); the three loops give it a constant mode so each one vectorizes.
-template <typename T>
-AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool check_only) {
+// kMeasure: the run's magnitude (MagnitudeOf, of the inputs) is also max-ed into `mag`, as
+// float32 bits.
+template <typename T, bool kMeasure = false>
+AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool check_only,
+                             uint32_t* mag = nullptr) {
+  using Mag = MagnitudeOf<T>;
+  magnitude_bits_t<T> m = 0;
   uint32_t bad = 0;
   if (check_only) {
     // Accumulated in lanes of the element's width, so 16-bit grads are tested 16 bits a lane.
     using Lane = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
     Lane lane_bad = 0;
-    for (int64_t i = 0; i < n; ++i) lane_bad |= static_cast<Lane>(visit<T, true>(p[i], inv, false));
+    for (int64_t i = 0; i < n; ++i) {
+      if (kMeasure) m = max_bits(m, Mag::of(p[i]));
+      lane_bad |= static_cast<Lane>(visit<T, true>(p[i], inv, false));
+    }
     bad = lane_bad;
   } else if (inv == opmath_t<T>(1)) {
-    for (int64_t i = 0; i < n; ++i) bad |= visit<T, false>(p[i], inv, true);
+    for (int64_t i = 0; i < n; ++i) {
+      if (kMeasure) m = max_bits(m, Mag::of(p[i]));
+      bad |= visit<T, false>(p[i], inv, true);
+    }
   } else {
-    for (int64_t i = 0; i < n; ++i) bad |= visit<T, false>(p[i], inv, false);
+    for (int64_t i = 0; i < n; ++i) {
+      if (kMeasure) m = max_bits(m, Mag::of(p[i]));
+      bad |= visit<T, false>(p[i], inv, false);
+    }
   }
+  if (kMeasure) *mag = max_bits(*mag, Mag::to_float_bits(m));
   return bad != 0;
 }
 
@@ -53,22 +74,37 @@ AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool c
 // needs no conversion: process() tests the bits, vectorized.
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMPFUSED_HAVE_F16C_PATH 1
-__attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_t n, float inv) {
+// kMeasure: MagnitudeOf<c10::Half> eight at a time (the sign-cleared bits, 0 where inf/NaN),
+// max-ed into `mag` as process() does.
+template <bool kMeasure>
+__attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_t n, float inv,
+                                                            uint32_t* mag) {
   const __m128i exp_mask = _mm_set1_epi16(kHalfExpMask);
+  const __m128i abs_mask = _mm_set1_epi16(0x7fff);
   const __m256 vinv = _mm256_set1_ps(inv);
   __m128i bad = _mm_setzero_si128();
+  __m128i m = _mm_setzero_si128();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     auto* at = reinterpret_cast<__m128i*>(p + i);
     const __m128i h = _mm_loadu_si128(at);
     // non_finite_half_bits, eight at a time.
-    bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask));
+    const __m128i non_finite = _mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask);
+    bad = _mm_or_si128(bad, non_finite);
+    if (kMeasure) m = _mm_max_epu16(m, _mm_andnot_si128(non_finite, _mm_and_si128(h, abs_mask)));
     __m256 f = _mm256_cvtph_ps(h);
     if (inv != 1.0f) f = _mm256_mul_ps(f, vinv);
     _mm_storeu_si128(at, _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   const bool vec_bad = _mm_movemask_epi8(bad) != 0;
-  return process(p + i, n - i, inv, /*check_only=*/false) || vec_bad;
+  if (kMeasure) {
+    alignas(16) uint16_t lanes[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), m);
+    uint16_t top = 0;
+    for (uint16_t l : lanes) top = max_bits(top, l);
+    *mag = max_bits(*mag, MagnitudeOf<c10::Half>::to_float_bits(top));
+  }
+  return process<c10::Half, kMeasure>(p + i, n - i, inv, /*check_only=*/false, mag) || vec_bad;
 }
 #endif
 
@@ -118,39 +154,51 @@ AMPFUSED_AVX512 __m512 store16_avx512(void* at, __m512 u) {
 // elements that fill no vector through process().
 // kInvOne: the multiply-or-pass rule's pass (not a multiply by 1, which flushes a bfloat16
 // denormal to zero under torch.set_flush_denormal(True)).
-template <typename T, bool kInvOne>
-__attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float inv) {
+// kMeasure: MagnitudeOf the input on its float32 bits (the same value as on the stored bits:
+// the widening is exact), max-ed into `mag`.
+template <typename T, bool kInvOne, bool kMeasure>
+__attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float inv,
+                                                         uint32_t* mag) {
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
+  const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
   __mmask16 bad = 0;
+  __m512i m = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 v = load16_avx512<T>(p + i);
     const __m512i vb = _mm512_castps_si512(v);
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
+    if (kMeasure) {
+      const __m512i a = _mm512_and_si512(vb, abs32);
+      m = _mm512_mask_max_epu32(m, _mm512_cmplt_epu32_mask(a, inf32), m, a);
+    }
     store16_avx512<T>(p + i, kInvOne ? v : _mm512_mul_ps(v, vinv));
   }
-  return process(p + i, n - i, static_cast<opmath_t<T>>(inv), /*check_only=*/false) || bad != 0;
+  if (kMeasure) *mag = max_bits(*mag, static_cast<uint32_t>(_mm512_reduce_max_epu32(m)));
+  return process<T, kMeasure>(p + i, n - i, static_cast<opmath_t<T>>(inv), /*check_only=*/false,
+                              mag) ||
+         bad != 0;
 }
 #pragma GCC diagnostic pop
 #endif
 
 // A 16-bit run: the AVX-512 loop where the CPU has it, else (float16) the F16C one, else
 // process(); check-only passes test the bits in process(), which vectorizes without them.
-template <typename T>
-AMPFUSED_INLINE bool process16(T* p, int64_t n, float inv, bool check_only) {
+template <typename T, bool kMeasure>
+AMPFUSED_INLINE bool process16(T* p, int64_t n, float inv, bool check_only, uint32_t* mag) {
 #ifdef AMPFUSED_HAVE_F16C_PATH
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   if (avx512 && !check_only) {
-    return inv == 1.0f ? unscale16_avx512<T, true>(p, n, inv)
-                       : unscale16_avx512<T, false>(p, n, inv);
+    return inv == 1.0f ? unscale16_avx512<T, true, kMeasure>(p, n, inv, mag)
+                       : unscale16_avx512<T, false, kMeasure>(p, n, inv, mag);
   }
   if constexpr (std::is_same_v<T, c10::Half>) {
     static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    if (f16c && !check_only) return unscale_half_f16c(p, n, inv);
+    if (f16c && !check_only) return unscale_half_f16c<kMeasure>(p, n, inv, mag);
   }
 #endif
-  return process(p, n, static_cast<opmath_t<T>>(inv), check_only);
+  return process<T, kMeasure>(p, n, static_cast<opmath_t<T>>(inv), check_only, mag);
 }
 
 // Memory-bound only with wide vectors: on 2 cores a 16-byte SSE loop tops out near the
@@ -162,8 +210,9 @@ AMPFUSED_INLINE bool process16(T* p, int64_t n, float inv, bool check_only) {
 #define AMPFUSED_CPU_CLONES
 #endif
 
-AMPFUSED_CPU_CLONES
-bool process_span(const Span& s, int64_t begin, int64_t end, float inv, bool check_only) {
+template <bool kMeasure>
+AMPFUSED_INLINE bool process_span_of(const Span& s, int64_t begin, int64_t end, float inv,
+                                     bool check_only, uint32_t* mag) {
   const int64_t n = end - begin;
   bool bad = false;
   // always_inline: the loops must land in each target clone, compiled for its ISA.
@@ -171,13 +220,25 @@ bool process_span(const Span& s, int64_t begin, int64_t end, float inv, bool che
     using T = typename decltype(tag)::type;
     T* p = static_cast<T*>(s.data) + begin;
     if constexpr (sizeof(T) == 2) {
-      bad = process16(p, n, inv, check_only);
+      bad = process16<T, kMeasure>(p, n, inv, check_only, mag);
     } else {
-      bad = process(p, n, static_cast<opmath_t<T>>(inv), check_only);
+      bad = process<T, kMeasure>(p, n, static_cast<opmath_t<T>>(inv), check_only, mag);
     }
   });
   TORCH_INTERNAL_ASSERT(known, "ampfused: unexpected dtype ", s.dtype);  // host checks reject
   return bad;
+}
+
+AMPFUSED_CPU_CLONES
+bool process_span(const Span& s, int64_t begin, int64_t end, float inv, bool check_only) {
+  return process_span_of<false>(s, begin, end, inv, check_only, nullptr);
+}
+
+// The same with the magnitude (the headroom policy's passes) max-ed into `mag`.
+AMPFUSED_CPU_CLONES
+bool measure_span(const Span& s, int64_t begin, int64_t end, float inv, bool check_only,
+                  uint32_t* mag) {
+  return process_span_of<true>(s, begin, end, inv, check_only, mag);
 }
 
 struct Piece {
@@ -448,7 +509,16 @@ void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
     });
     found = any.load();
   }
-  finish_pass(found, a);
+  // The magnitude from the items' abs-max (stat_magnitude_bits), as the CUDA blocks take it.
+  uint32_t mag = 0;
+  if (a.measures()) {
+    const float scale = *a.scale;
+    for (int64_t k = 0; k < num_items; ++k) {
+      const double abs_max = a.grad_stats[(1 + k) * kStatFields + kStatAbsMax];
+      mag = max_bits(mag, stat_magnitude_bits(abs_max, scale));
+    }
+  }
+  finish_pass(found, mag, a);
 }
 
 }  // namespace
@@ -461,8 +531,14 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
     total_bytes += sp.numel * static_cast<int64_t>(c10::elementSize(sp.dtype));
 
   bool found = false;
+  uint32_t mag = 0;
+  const bool measure = a.measures();
   if (total_bytes < kParallelMinBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    for (const Span& sp : spans) found |= process_span(sp, 0, sp.numel, inv, a.check_only);
+    if (measure) {
+      for (const Span& sp : spans) found |= measure_span(sp, 0, sp.numel, inv, a.check_only, &mag);
+    } else {
+      for (const Span& sp : spans) found |= process_span(sp, 0, sp.numel, inv, a.check_only);
+    }
   } else {
     // Cut every span into ~kChunkBytes pieces so threads get even shares of large and small
     // gradients alike.
@@ -475,17 +551,25 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
       }
     }
     std::atomic<bool> any{false};
+    std::atomic<uint32_t> top{0};
     at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t b, int64_t e) {
       bool local = false;
+      uint32_t local_mag = 0;
       for (int64_t k = b; k < e; ++k) {
         const Piece& pc = pieces[k];
-        local |= process_span(spans[pc.span], pc.begin, pc.end, inv, a.check_only);
+        const Span& sp = spans[pc.span];
+        local |= measure ? measure_span(sp, pc.begin, pc.end, inv, a.check_only, &local_mag)
+                         : process_span(sp, pc.begin, pc.end, inv, a.check_only);
       }
       if (local) any.store(true, std::memory_order_relaxed);
+      uint32_t seen = top.load(std::memory_order_relaxed);
+      while (local_mag > seen && !top.compare_exchange_weak(seen, local_mag)) {
+      }
     });
     found = any.load();
+    mag = top.load();
   }
-  finish_pass(found, a);
+  finish_pass(found, mag, a);
 }
 
 }  // namespace ampfused

@@ -24,9 +24,10 @@ namespace cuda {
 constexpr int kBlockSize = 512;
 constexpr int kVecBytes = 16;                   // one 16-byte load/store per thread per vector
 constexpr int kUnroll = 4;                      // vectors in flight per thread
-constexpr int kWorkspaceWords = 2;              // rt::Words: kFoundFlag, kBlocksDone
+constexpr int kWorkspaceWords = 3;              // rt::Words: kFoundFlag, kBlocksDone, kMagnitude
 constexpr int kFoundFlag = 0;                   // 1 once a block of the pass saw inf/NaN
 constexpr int kBlocksDone = 1;                  // blocks of the last launch that finished
+constexpr int kMagnitude = 2;                   // the blocks' largest magnitude (float32 bits)
 constexpr size_t kMaxKernelParamBytes = 32764;  // CUDA 12.1+, compute capability 7.0+
 constexpr size_t kMaxStreamWorkspaces = 64;     // eager workspaces kept, one per stream
 

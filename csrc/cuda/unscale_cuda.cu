@@ -22,9 +22,10 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-// n <= kChunkSize, so every index of an item fits in int.
-template <typename T, bool kCheckOnly>
-__device__ bool process_chunk(T* data, int n, opmath_t<T> inv, bool inv_is_one) {
+// n <= kChunkSize, so every index of an item fits in int.  kMeasure: the thread's magnitude
+// over the inputs it reads (MagnitudeOf) is max-ed into `mag` (float32 bits).
+template <typename T, bool kCheckOnly, bool kMeasure = false>
+__device__ bool process_chunk(T* data, int n, opmath_t<T> inv, bool inv_is_one, uint32_t& mag) {
   constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
   constexpr int kStride = kBlockSize;  // every launch uses kBlockSize threads
   using V = Vec<T, kVec>;
@@ -41,8 +42,19 @@ __device__ bool process_chunk(T* data, int n, opmath_t<T> inv, bool inv_is_one) 
   const int nvec = (n - head) / kVec;
   const int tail = head + nvec * kVec;
   const int tid = static_cast<int>(threadIdx.x);
+  using Mag = MagnitudeOf<T>;
+  magnitude_bits_t<T> m = 0;
+  const auto measure = [&](T x) {
+    if (kMeasure) {
+      const magnitude_bits_t<T> b = Mag::of(x);
+      m = b > m ? b : m;
+    }
+  };
 
-  for (int i = tid; i < head; i += kStride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+  for (int i = tid; i < head; i += kStride) {
+    measure(p[i]);
+    bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+  }
 
   const auto vp = rt::vectors<V>(p + head, nvec);
   for (int base = tid; base < nvec; base += kStride * kUnroll) {
@@ -57,13 +69,23 @@ __device__ bool process_chunk(T* data, int n, opmath_t<T> inv, bool inv_is_one) 
       const int i = base + u * kStride;
       if (i < nvec) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) bad |= visit<T, kCheckOnly>(r[u].v[k], inv, inv_is_one);
+        for (int k = 0; k < kVec; ++k) {
+          measure(r[u].v[k]);
+          bad |= visit<T, kCheckOnly>(r[u].v[k], inv, inv_is_one);
+        }
         if (!kCheckOnly) vp[i] = r[u];
       }
     }
   }
 
-  for (int i = tail + tid; i < n; i += kStride) bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+  for (int i = tail + tid; i < n; i += kStride) {
+    measure(p[i]);
+    bad |= visit<T, kCheckOnly>(p[i], inv, inv_is_one);
+  }
+  if (kMeasure) {
+    const uint32_t f = Mag::to_float_bits(m);
+    mag = f > mag ? f : mag;
+  }
   return bad;
 }
 
@@ -74,8 +96,11 @@ __device__ bool process_chunk(T* data, int n, opmath_t<T> inv, bool inv_is_one) 
 static_assert(kBlockSize == kStatThreads && kVecBytes == kStatVecBytes,
               "grad_stats' summation order assumes one lane group per thread and 16-byte vectors");
 
+// measure_scale > 0: thread 0 max-es the item's magnitude (stat_magnitude_bits of its abs-max
+// and this scale) into `mag`.
 template <typename T, bool kCheckOnly>
-__device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is_one, double* row) {
+__device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is_one, double* row,
+                                    float measure_scale, uint32_t& mag) {
   using M = opmath_t<T>;
   using B = typename StatBits<M>::type;
   constexpr int kVec = kStatVec<T>;
@@ -160,6 +185,10 @@ __device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is
       if (warp_fields[w][4] > total.abs_max_bits) total.abs_max_bits = warp_fields[w][4];
     }
     stat_write_row(row, sums[0], total);
+    if (measure_scale > 0.0f) {
+      const uint32_t f = stat_magnitude_bits(StatBits<M>::value(total.abs_max_bits), measure_scale);
+      mag = f > mag ? f : mag;
+    }
   }
   __syncthreads();  // the next item reuses the shared arrays
   return bad;
@@ -176,14 +205,35 @@ using KernelArgs = LaunchArgs<PassParams, kCapacity>;
 // spills) and the mixed one 128 with ~200-270 bytes spilled (sm_80/90): unmeasured on a GPU.
 constexpr int kFloatOnlyMinBlocks = 2;
 
+// The largest of the block's `mag` (float32 bits), in thread 0.
+__device__ uint32_t block_max(uint32_t mag) {
+  __shared__ uint32_t warp_max[kBlockSize / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, mag, off);
+    mag = other > mag ? other : mag;
+  }
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid % 32 == 0) warp_max[tid / 32] = mag;
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < kBlockSize / 32; ++w) mag = warp_max[w] > mag ? warp_max[w] : mag;
+  }
+  return mag;
+}
+
 // kStats: the pass fills grad_stats (item rows from k.first_item on); a statistics-free pass
-// compiles to the kernel it was before statistics existed.
-template <bool kCheckOnly, bool kFloatOnly, bool kStats, int64_t kCapacity>
+// compiles to the kernel it was before statistics existed.  kMeasure: the headroom policy's
+// magnitude (PassParams::measures), reduced across blocks by atomicMax in the workspace; with
+// statistics it comes from the item rows (whether is read at run time: no kernel of its own).
+template <bool kCheckOnly, bool kFloatOnly, bool kStats, bool kMeasure, int64_t kCapacity>
 __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnlyMinBlocks : 1)
     unscale_kernel(const __grid_constant__ KernelArgs<kCapacity> k) {
   // In a check-only pass visit() ignores inv; the statistics still see unscaled values.
   const float inv = kStats ? k.pass.stats_inv_scale() : k.pass.inv_scale();
   const bool inv_is_one = inv == 1.0f;
+  const float measure_scale = kStats && k.pass.measures() ? *k.pass.scale : 0.0f;
+  uint32_t mag = 0;
   bool bad = false;
   const int stride = static_cast<int>(gridDim.x);
   int c = static_cast<int>(blockIdx.x);
@@ -199,25 +249,28 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
       visit_grad_dtype(static_cast<c10::ScalarType>(w.dtype), [&](auto tag) {
         using T = typename decltype(tag)::type;
         if constexpr (!kFloatOnly || std::is_same_v<T, float>) {
-          bad |=
-              process_chunk_stats<T, kCheckOnly>(static_cast<T*>(w.data), static_cast<int>(w.numel),
-                                                 static_cast<opmath_t<T>>(inv), inv_is_one, row);
+          bad |= process_chunk_stats<T, kCheckOnly>(
+              static_cast<T*>(w.data), static_cast<int>(w.numel), static_cast<opmath_t<T>>(inv),
+              inv_is_one, row, measure_scale, mag);
         }
       });
     } else if constexpr (kFloatOnly) {
-      bad |= process_chunk<float, kCheckOnly>(static_cast<float*>(w.data),
-                                              static_cast<int>(w.numel), inv, inv_is_one);
+      bad |= process_chunk<float, kCheckOnly, kMeasure>(
+          static_cast<float*>(w.data), static_cast<int>(w.numel), inv, inv_is_one, mag);
     } else {
       // Uniform across the block (one item, one tensor): no divergence.  Other dtypes are
       // rejected on the host.
       visit_grad_dtype(static_cast<c10::ScalarType>(w.dtype), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        bad |= process_chunk<T, kCheckOnly>(static_cast<T*>(w.data), static_cast<int>(w.numel),
-                                            static_cast<opmath_t<T>>(inv), inv_is_one);
+        bad |= process_chunk<T, kCheckOnly, kMeasure>(
+            static_cast<T*>(w.data), static_cast<int>(w.numel), static_cast<opmath_t<T>>(inv),
+            inv_is_one, mag);
       });
     }
   }
   bad = __syncthreads_or(bad);
+  // (stats: thread 0 holds the block's magnitude already)
+  if (kMeasure && !kStats) mag = block_max(mag);
 
   if (k.epilogue == Epilogue::kSetFlag) {
     // torch's contract (set, never clear): every writer stores 1.0, so the race is benign.
@@ -227,16 +280,21 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
   rt::Word* ws = k.workspace;
   if (k.epilogue == Epilogue::kAccumulate) {
     // The kernel boundary orders this before the reads of the pass's kFinish launch.
-    if (bad && threadIdx.x == 0) atomicOr(&ws[kFoundFlag], 1u);
+    if (threadIdx.x == 0) {
+      if (bad) atomicOr(&ws[kFoundFlag], 1u);
+      if (mag != 0) atomicMax(&ws[kMagnitude], mag);
+    }
     return;
   }
-  // The last block to finish sees every block's flag: each block ORs its flag in, fences, and
-  // only then counts itself finished, so the block whose count completes the grid reads the
-  // flags of all the others.  Every access to the workspace is atomic.
+  // The last block to finish sees every block's flag and magnitude: each block ORs its flag
+  // (max-es its magnitude) in, fences, and only then counts itself finished, so the block whose
+  // count completes the grid reads those of all the others.  Every access to the workspace is
+  // atomic.
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
     if (bad) atomicOr(&ws[kFoundFlag], 1u);
-    __threadfence();  // publish this block's flag before it counts as finished
+    if (mag != 0) atomicMax(&ws[kMagnitude], mag);
+    __threadfence();  // publish this block's flag and magnitude before it counts as finished
     const unsigned done = atomicAdd(&ws[kBlocksDone], 1u);
     is_last = (done == gridDim.x - 1);
   }
@@ -244,8 +302,9 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
   if (is_last && threadIdx.x == 0) {
     __threadfence();
     const bool found = atomicExch(&ws[kFoundFlag], 0u) != 0;
+    const uint32_t measured = atomicExch(&ws[kMagnitude], 0u);
     atomicExch(&ws[kBlocksDone], 0u);  // zeroed for the next pass on this stream
-    finish_pass(found, k.pass);
+    finish_pass(found, measured, k.pass);
   }
 }
 
@@ -255,12 +314,26 @@ void launch_kernel(const KernelArgs<kCapacity>& k, int device, rt::Stream stream
   rt::launch<kKernel>(grid, kBlockSize, stream, k);
 }
 
-template <bool kCheckOnly, bool kStats, int64_t kCapacity>
+template <bool kCheckOnly, bool kStats, bool kMeasure, int64_t kCapacity>
 void launch(const KernelArgs<kCapacity>& k, bool float_only, int device, rt::Stream stream) {
   if (float_only) {
-    launch_kernel<unscale_kernel<kCheckOnly, true, kStats, kCapacity>>(k, device, stream);
+    launch_kernel<unscale_kernel<kCheckOnly, true, kStats, kMeasure, kCapacity>>(k, device, stream);
   } else {
-    launch_kernel<unscale_kernel<kCheckOnly, false, kStats, kCapacity>>(k, device, stream);
+    launch_kernel<unscale_kernel<kCheckOnly, false, kStats, kMeasure, kCapacity>>(k, device,
+                                                                                  stream);
+  }
+}
+
+// The kernel for the pass's modes (a statistics pass measures in the kernel with statistics).
+template <bool kCheckOnly, int64_t kCapacity>
+void launch_mode(const KernelArgs<kCapacity>& k, bool stats, bool measure, bool float_only,
+                 int device, rt::Stream stream) {
+  if (stats) {
+    launch<kCheckOnly, true, false>(k, float_only, device, stream);
+  } else if (measure) {
+    launch<kCheckOnly, false, true>(k, float_only, device, stream);
+  } else {
+    launch<kCheckOnly, false, false>(k, float_only, device, stream);
   }
 }
 
@@ -280,11 +353,9 @@ void launch_items(LaunchPlanner& plan, const PassParams& pass, bool hand_off, rt
   const bool float_only = plan.uniform_dtype() == c10::ScalarType::Float;
   const bool stats = pass.grad_stats != nullptr;
   if (pass.check_only) {
-    stats ? launch<true, true>(k, float_only, device, stream)
-          : launch<true, false>(k, float_only, device, stream);
+    launch_mode<true>(k, stats, pass.measures(), float_only, device, stream);
   } else {
-    stats ? launch<false, true>(k, float_only, device, stream)
-          : launch<false, false>(k, float_only, device, stream);
+    launch_mode<false>(k, stats, pass.measures(), float_only, device, stream);
   }
 }
 

@@ -564,6 +564,9 @@ class LaunchRun {
       case WordOp::kAdd:
         *m += value;
         break;
+      case WordOp::kMax:
+        *m = *m > value ? *m : value;
+        break;
     }
   }
   void use(const Word* w, bool atomic, unsigned block) {

@@ -181,7 +181,7 @@ namespace ampfused {
 namespace hostcuda {
 
 class Word;
-enum class WordOp : uint8_t { kStore, kOr, kAdd, kExch };
+enum class WordOp : uint8_t { kStore, kOr, kAdd, kExch, kMax };
 unsigned word_load(const Word* w);
 void word_store(Word* w, unsigned value);
 unsigned word_atomic(Word* w, WordOp op, unsigned value);     // performed now, old value returned
@@ -267,6 +267,9 @@ inline ::ampfused::hostcuda::AtomicResult atomicAdd(::ampfused::hostcuda::Word* 
 }
 inline ::ampfused::hostcuda::AtomicResult atomicExch(::ampfused::hostcuda::Word* p, unsigned v) {
   return {p, ::ampfused::hostcuda::WordOp::kExch, v};
+}
+inline ::ampfused::hostcuda::AtomicResult atomicMax(::ampfused::hostcuda::Word* p, unsigned v) {
+  return {p, ::ampfused::hostcuda::WordOp::kMax, v};
 }
 inline void __threadfence() { ::ampfused::hostcuda::threadfence(); }
 

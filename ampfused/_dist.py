@@ -83,6 +83,11 @@ def check_found_inf_group(where: str, value: Any, name: str = "found_inf_group")
     return tuple(groups)
 
 
+def max_op() -> Any:
+    """torch.distributed's MAX reduction."""
+    return _dist().ReduceOp.MAX
+
+
 def reductions(groups: Sequence[Any], op_name: str) -> list[Reduction]:
     """(group, op) for each group: op_name "max" or "sum"."""
     if not groups:

@@ -157,6 +157,11 @@ def found_inf(
         inv = torch.ones((), dtype=torch.float32, device=scale.device)
         if not check_only:
             inv = inv_scale(scaler)
+        state = scaler._scale_state
+        if state.headroom and watch is not None and watch.tracer is not None:
+            # (the masters' pass measures nothing itself: the update reads the traced one)
+            nxt = state.pending_buffer(scale.device)
+            state.measured = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt))
         return agree(scaler, optimizer._grads_to_masters(inv), (), first_table)
     if hooked:
         return None
@@ -169,17 +174,25 @@ def found_inf(
     state = scaler._scale_state
     unwrap = _dist.dtensor_unwrap()
     pending = state.pending
+    # (an earlier pass of this iteration: its verdict and magnitude are combined with this one's;
+    # state.measured also where an agreement dropped the pending record)
+    accumulate = (pending is not None and bool(pending.found)) or state.measured
+    nxt = state.pending_buffer(dev)
+    if state.headroom and not accumulate and watch is not None and watch.tracer is not None:
+        # The traced activation gradients' magnitude, taken into the pass's as an earlier one's
+        accumulate = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt))
     result = _C.fused_pass(
         groups,
         state.pass_input(scale, tracker),
-        state.pending_buffer(dev),
+        nxt,
         *args,
         *state.kernel_policy,
         check_only,
-        pending is not None and bool(pending.found),
+        accumulate,
         allow_fp16,
         watch is not None or tables is not None,
         unwrap,
+        state.headroom,
     )
     if result is None:
         # A gradient needs torch's walk: run it over the groups read above, with the inputs
@@ -200,6 +213,9 @@ def found_inf(
     if not result:
         mesh_plan = _dist.mesh_plan(_dist.param_meshes(groups))
     pending = state.pending or state.start_pending(scale, tracker, factors)
+    # The magnitude in `nxt` is this iteration's where a pass ran on the scale's device (or an
+    # earlier one, or the tracer, wrote it); else prepare_next and agree() take it as none.
+    state.measured = bool(state.headroom) and (accumulate or any(r[0] == dev for r in result))
     found = {}
     for device, flag, stats, positions in result:
         found[device] = flag
@@ -211,6 +227,21 @@ def found_inf(
             if tables is not None and not mesh_plan:  # (sharded: the norm needs every rank)
                 tables.append((stats, positions, groups))
     return agree(scaler, found, mesh_plan, first_table)
+
+
+def activation_magnitude(rows: list, into: torch.Tensor) -> bool:
+    """The largest finite magnitude of this iteration's traced float16 activation gradients
+    (the scaled values: what overflows in backward) written into `into` (float32, on the
+    scale's device; no sync).  Returns whether any was traced."""
+    columns = [
+        table[1 + input_rows :, 1].to(into.device)  # (abs_max; a backward row has no inputs)
+        for _, _, direction, _, table, _, dtype, input_rows in rows
+        if direction == "backward" and dtype == torch.float16
+    ]
+    if not columns:
+        return False
+    into.copy_(torch.cat(columns).max())
+    return True
 
 
 def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: int) -> None:
@@ -258,8 +289,28 @@ def agree(scaler: Any, found: Found, mesh_plan: Any, first_table: int, plan_done
         dev = scaler._scale.device
         found = {dev: torch.zeros((), dtype=torch.float32, device=dev)}
     flags = list(found.values())
-    _dist.all_reduce_flags(flags, plan)
-    scaler._scale_state.pending = None
+    state = scaler._scale_state
+    if state.headroom:
+        # The headroom policy: the magnitude is agreed in the same collective as the flag of
+        # the scale's device (MAX: the verdict is the same as by SUM, any flag > 0), on every
+        # rank alike; a rank that measured nothing joins with 0.
+        dev = scaler._scale.device
+        magnitude = state.magnitude_view(state.pending_buffer(dev))
+        if not state.measured:
+            magnitude.zero_()
+        state.measured = True
+        flag = found.get(dev)
+        if flag is None:
+            flag = found[dev] = torch.zeros((), dtype=torch.float32, device=dev)
+            flags = list(found.values())
+        pair = torch.stack((flag.reshape(()), magnitude[0]))
+        _dist.all_reduce_flags([pair], [(group, _dist.max_op()) for group, _ in plan])
+        flag.copy_(pair[0])
+        magnitude.copy_(pair[1:])
+        _dist.all_reduce_flags([f for f in flags if f is not flag], plan)
+    else:
+        _dist.all_reduce_flags(flags, plan)
+    state.pending = None
     tables = scaler._watch.now[first_table:] if scaler._watch is not None else ()
     if tables:
         skipped = flags[0] > 0

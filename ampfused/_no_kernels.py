@@ -31,6 +31,8 @@ _POLICY_DEFAULTS = {
     "scaling": True,
     "allow_fp16": False,
     "found_inf_group": _dist.NO_GROUP,
+    "policy": "torch",
+    "headroom": 4.0,
 }
 
 
@@ -49,6 +51,8 @@ class _Refusals:
     max_scale = None
     hysteresis = 1
     at_min_scale = "clamp"
+    policy = "torch"
+    headroom = None
 
     def _needs_kernels(self, name: str) -> NoReturn:
         raise unavailable(f"{type(self).__name__}.{name}()")
@@ -59,10 +63,18 @@ class _Refusals:
         for name in ("min_scale", "max_scale", "hysteresis", "at_min_scale"):
             if name in policy and policy[name] != _POLICY_DEFAULTS[name]:
                 raise unavailable(f"load_state_dict() of a checkpoint with {name}={policy[name]!r}")
+        if policy.get("headroom"):  # (0.0: torch's rule)
+            raise unavailable(
+                f"load_state_dict() of a checkpoint with headroom={policy['headroom']!r} (the "
+                "headroom policy)"
+            )
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
     def counters(self) -> NoReturn:
         self._needs_kernels("counters")
+
+    def magnitude(self) -> NoReturn:
+        self._needs_kernels("magnitude")
 
     def watch(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._needs_kernels("watch")

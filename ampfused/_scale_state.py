@@ -5,6 +5,7 @@ int32 tensor on the scale's device (``ScalerState`` in csrc/unscale_math.h)::
 
     [0] scale (float32 bits)   [1] growth tracker   [2] hysteresis left
     [3] steps  [4] skipped_steps  [5] consecutive_skips  [6] growths  [7] backoffs  [8] floor_hits
+    [9] the iteration's measured magnitude (float32 bits)   [10..25] the headroom history
 
 ``GradScaler._scale`` and ``_growth_tracker`` are views of elements 0 and 1, so one copy
 commits the whole update.  The fused pass computes the update torch's ``update()`` would make
@@ -45,9 +46,24 @@ STATE_SIZE = ops.STATE_SIZE
 HYSTERESIS_LEFT = ops.STATE_FIELDS.index("hysteresis_left")
 CONSECUTIVE_SKIPS = ops.STATE_FIELDS.index("consecutive_skips")
 FLOOR_HITS = ops.STATE_FIELDS.index("floor_hits")
+MAGNITUDE = ops.STATE_FIELDS.index("magnitude")
+CEILING = ops.STATE_FIELDS.index("ceiling")
+SINCE_BACKOFF = ops.STATE_FIELDS.index("since_backoff")
+HISTORY = slice(SINCE_BACKOFF + 1, STATE_SIZE)  # the headroom policy's caps (float32 bits)
 # steps, skipped_steps, consecutive_skips: what update(new_scale) advances
 ITERATION_COUNTERS = slice(ops.STATE_FIELDS.index("steps"), CONSECUTIVE_SKIPS + 1)
-COUNTER_NAMES = ops.STATE_FIELDS[HYSTERESIS_LEFT + 1 :]  # counters()'s keys
+COUNTERS = slice(HYSTERESIS_LEFT, FLOOR_HITS + 1)  # hysteresis left and the counters
+COUNTER_NAMES = ops.STATE_FIELDS[HYSTERESIS_LEFT + 1 : FLOOR_HITS + 1]  # counters()'s keys
+POLICIES = ("torch", "headroom")
+DEFAULT_HEADROOM = 4.0
+HEADROOM_START = 1.0  # the headroom policy's first scale where init_scale is torch's default
+
+
+def _bits(value: float) -> int:
+    """A float32's bits as an int32 (no tensor made)."""
+    return struct.unpack("i", struct.pack("f", value))[0]
+
+
 AT_MIN_SCALE = ("clamp", "warn", "raise")
 # state_dict()'s entry for what torch's scaler does not have (torch's load_state_dict ignores it).
 CHECKPOINT_KEY = "ampfused"
@@ -55,6 +71,7 @@ POLICY_KEYS = ("min_scale", "max_scale", "hysteresis", "at_min_scale")
 UPDATE_ARGS = ("growth_factor", "backoff_factor", "growth_interval")
 
 _INF = float("inf")
+HISTORY_LEN = ops.HISTORY
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _REAL_TYPES = (float, int)  # exact types only: bool is an int torch refuses as an interval
 _ABSENT = object()
@@ -207,6 +224,35 @@ def check_policy(
     return low, high, int(hysteresis), at_min_scale
 
 
+def check_headroom(where: str, policy: Any, headroom: Any) -> float:
+    """The headroom factor as the kernels take it (0.0: torch's rule), or the exception naming
+    the argument."""
+    if not isinstance(policy, str):
+        raise TypeError(
+            f"{where}: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r} "
+            f"({type(policy).__name__})"
+        )
+    if policy not in POLICIES:
+        raise ValueError(
+            f"{where}: policy must be one of {', '.join(map(repr, POLICIES))} ('torch' is "
+            f"torch's rule, 'headroom' moves the scale by measured magnitudes); got {policy!r}"
+        )
+    if headroom is None:  # (the headroom property's value under torch's rule)
+        headroom = DEFAULT_HEADROOM
+    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real):
+        raise TypeError(
+            f"{where}: headroom must be a float from 1 to 65504 (how many times below float16's "
+            f"largest value the headroom policy keeps the largest measured magnitude); got "
+            f"{headroom!r} ({type(headroom).__name__})"
+        )
+    if not 1.0 <= float(headroom) <= 65504.0:
+        raise ValueError(
+            f"{where}: headroom must be from 1 to 65504 (a factor below float16's largest "
+            f"value, 65504); got {headroom!r}"
+        )
+    return f32(float(headroom)) if policy == "headroom" else 0.0
+
+
 def check_constructor(enabled: bool, init_scale: Any, factors: Factors, policy: tuple) -> Policy:
     """The constructor's values beyond torch's own checks, in the order torch would meet them
     (the first scale(), update()), then the policy, then init_scale within its bounds.  torch
@@ -309,6 +355,8 @@ class Checkpoint(NamedTuple):
     growth_tracker: Any
     policy: Policy | None
     counters: list[int] | None
+    headroom: float | None = None  # the headroom factor (0.0: torch's rule); None: not saved
+    history: list[float] | None = None  # the headroom policy's caps; None: not saved
 
 
 def read_checkpoint(
@@ -353,13 +401,16 @@ def read_checkpoint(
     for name, value in zip(UPDATE_ARGS, factors, strict=True):
         check_update_arg(f"load_state_dict: state_dict[{name!r}]", name, value)
     extra = _read_extra(state_dict.get(CHECKPOINT_KEY, _ABSENT))
-    policy, counters = (None, None) if extra is None else extra
-    return Checkpoint(scale_value, factors, tracker_value, policy, counters)
+    policy, counters, headroom, history = (None, None, None, None) if extra is None else extra
+    return Checkpoint(scale_value, factors, tracker_value, policy, counters, headroom, history)
 
 
-def _read_extra(entry: Any) -> tuple[Policy, list[int]] | None:
-    """state_dict()["ampfused"] checked: (the policy, hysteresis left and the counters), or
-    None when the checkpoint has no such entry (one of torch's scaler)."""
+def _read_extra(
+    entry: Any,
+) -> tuple[Policy, list[int], float | None, list[float] | None] | None:
+    """state_dict()["ampfused"] checked: (the policy, hysteresis left and the counters, the
+    headroom factor and history, None where a checkpoint from before the headroom policy has
+    none), or None when the checkpoint has no such entry (one of torch's scaler)."""
     if entry is _ABSENT:
         return None
     where = f"load_state_dict: state_dict[{CHECKPOINT_KEY!r}]"
@@ -391,7 +442,51 @@ def _read_extra(entry: Any) -> tuple[Policy, list[int]] | None:
             f"{where}['hysteresis_left'] must be from 0 to hysteresis={policy[2]}; got "
             f"{counters[0]}"
         )
-    return policy, counters
+    headroom = history = None
+    if "headroom" in entry:  # (0.0: torch's rule)
+        value = entry["headroom"]
+        zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+        headroom = 0.0 if zero else check_headroom(f"{where}['headroom']", "headroom", value)
+    if any(key in entry for key in HEADROOM_KEYS):
+        history = _read_headroom_state(where, entry)
+    return policy, counters, headroom, history
+
+
+HEADROOM_KEYS = ("ceiling", "since_backoff", "history")
+# [ceiling, since_backoff, *caps] of a fresh start: no ceiling, no backoff yet, no cap.
+FRESH_HEADROOM_STATE = (_INF, 2**31 - 1, *(_INF,) * HISTORY_LEN)
+
+
+def _read_headroom_state(where: str, entry: dict) -> list:
+    """The headroom policy's state in a checkpoint: [ceiling, since_backoff, *caps], the
+    scales positive float32s (+inf: none), since_backoff an int32 count."""
+    missing = [key for key in HEADROOM_KEYS if key not in entry]
+    if missing:
+        raise KeyError(
+            f"{where} has no {', '.join(map(repr, missing))} entry; the headroom policy's state "
+            f"is {', '.join(map(repr, HEADROOM_KEYS))}, as GradScaler.state_dict() writes it"
+        )
+    caps = entry["history"]
+    if not isinstance(caps, (list, tuple)) or len(caps) != HISTORY_LEN:
+        raise TypeError(
+            f"{where}['history'] must be a list of {HISTORY_LEN} floats (the headroom policy's "
+            f"scale caps, as GradScaler.state_dict() writes it); got {caps!r}"
+        )
+    out: list = []
+    for name, v in (("ceiling", entry["ceiling"]), *(("history", c) for c in caps)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{where}[{name!r}] must hold floats; got {v!r} ({type(v).__name__})")
+        if not f32(float(v)) > 0:
+            raise ValueError(f"{where}[{name!r}] must hold positive floats (inf: none); got {v!r}")
+        out.append(f32(float(v)))
+    since = entry["since_backoff"]
+    if type(since) is not int or not 0 <= since <= 2**31 - 1:
+        raise TypeError(
+            f"{where}['since_backoff'] must be an int from 0 to 2**31 - 1 (clean steps since the "
+            f"last backoff); got {since!r} ({type(since).__name__})"
+        )
+    out.insert(1, since)
+    return out
 
 
 # ----------------------------------------------------------------------------- the state
@@ -405,7 +500,8 @@ def unit_state(device: torch.device) -> torch.Tensor:
 
 
 # A read-only statistics pass's arguments after its state tensors: factors and a policy that
-# make only an update nobody reads, check_only, no accumulation.
+# make only an update nobody reads, check_only, no accumulation (and torch's rule: headroom 0.0
+# where the op takes it).
 READ_ONLY_PASS = (2.0, 0.5, 1, float("-inf"), float("inf"), 1, True, False)
 
 
@@ -432,8 +528,16 @@ class ScaleState:
     """The int32 state tensor (made lazily on the scale's device), the pending update the fused
     passes compute, and the policy (bounds, hysteresis, what a floor hit does)."""
 
-    def __init__(self, policy: Policy = (None, None, 1, "clamp")) -> None:
+    def __init__(self, policy: Policy = (None, None, 1, "clamp"), headroom: float = 0.0) -> None:
         self.tensor: torch.Tensor | None = None
+        # The headroom policy's factor (0.0: torch's rule), as the ops take it, and its state
+        # for the lazy init ([ceiling, since_backoff, *caps]; None: a fresh start), as
+        # init_counters.
+        self.headroom = headroom
+        self.init_history: list | None = None
+        # Whether a fused pass of this iteration measured the magnitude in `next` (else
+        # prepare_next zeroes it: nothing measured).
+        self.measured = False
         # (the scale view, the tracker view) made with `tensor`: the scaler's _scale and
         # _growth_tracker, as long as nobody replaced them
         self.views: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -469,7 +573,11 @@ class ScaleState:
         a failed first scale() leaves no state behind and the next one raises again."""
         scale = torch.full((), init_scale, dtype=torch.float32, device=dev)
         tracker = torch.full((), init_tracker, dtype=torch.int32, device=dev)
-        rest = torch.tensor(self.counters_at_init(), dtype=torch.int32, device=dev)
+        rest = torch.tensor(
+            [*self.counters_at_init(), 0, *self.headroom_bits_at_init()],
+            dtype=torch.int32,
+            device=dev,
+        )
         self.tensor = torch.cat((scale.view(torch.int32).reshape(1), tracker.reshape(1), rest))
         self.views = (self.tensor[0].view(torch.float32), self.tensor[1])
         return self.views
@@ -515,7 +623,33 @@ class ScaleState:
         exists)."""
         if self.tensor is None:
             return self.counters_at_init()
-        return self.tensor[HYSTERESIS_LEFT:].tolist()
+        return self.tensor[COUNTERS].tolist()
+
+    def headroom_bits_at_init(self) -> list[int]:
+        """The ceiling, since_backoff and the caps as the state holds them (int32, the floats
+        as bits), for the lazy init (no tensor read)."""
+        ceiling, since, *caps = self.init_history or FRESH_HEADROOM_STATE
+        return [_bits(ceiling), since, *map(_bits, caps)]
+
+    def history(self) -> list:
+        """The headroom policy's state: [ceiling, since_backoff, *caps in slot order] (a sync
+        once the state exists); +inf: none."""
+        if self.tensor is None:
+            return list(self.init_history or FRESH_HEADROOM_STATE)
+        floats = self.tensor[CEILING:].view(torch.float32).tolist()
+        floats[1] = int(self.tensor[SINCE_BACKOFF])
+        return floats
+
+    def magnitude(self) -> float:
+        """The last committed iteration's measured magnitude (+inf: it found inf/NaN, 0: none
+        measured); a sync."""
+        if self.tensor is None:
+            return 0.0
+        return self.tensor[MAGNITUDE : MAGNITUDE + 1].view(torch.float32).item()
+
+    def magnitude_view(self, nxt: torch.Tensor) -> torch.Tensor:
+        """The pending update's magnitude as a float32 tensor of one element (a view)."""
+        return nxt[MAGNITUDE : MAGNITUDE + 1].view(torch.float32)
 
     def counters(self) -> dict[str, int]:
         left, *counts = self.counter_values()
@@ -600,12 +734,16 @@ class ScaleState:
         found = moved[0] if in_place else moved[0].clone()
         for f in moved[1:]:
             found += f
+        nxt = self.pending_buffer(dev)
+        if self.headroom and not self.measured:  # (no pass measured this iteration)
+            nxt[MAGNITUDE] = 0
         ops.scaler_update_(
             found,
             self.pass_input(scale, tracker),
-            self.pending_buffer(dev),
+            nxt,
             *args,
             *self.kernel_policy,
+            self.headroom,
         )
         return True
 
@@ -615,6 +753,7 @@ class ScaleState:
         where at_min_scale asks for it)."""
         state, nxt = self.tensor, self.next
         assert state is not None and nxt is not None
+        self.measured = False
         floor_hit = self.at_min_scale != "clamp" and bool(nxt[FLOOR_HITS] != state[FLOOR_HITS])
         views = self.views  # (owns(), inline: every update() commits)
         if views is not None and scale is views[0] and tracker is views[1]:
@@ -627,6 +766,7 @@ class ScaleState:
 
     def count_iteration(self) -> None:
         """update(new_scale): the iteration counts (steps, skips), the rule's state stays."""
+        self.measured = False
         self.tensor[ITERATION_COUNTERS].copy_(self.next[ITERATION_COUNTERS])  # type: ignore[index]
 
     def report_floor_hit(self, scale: float) -> None:
@@ -647,8 +787,10 @@ class ScaleState:
 
     # -- checkpoints
     def checkpoint(self) -> dict[str, Any]:
-        """state_dict()["ampfused"]: the policy, hysteresis left and the counters (a sync)."""
+        """state_dict()["ampfused"]: the policy, hysteresis left, the counters and the headroom
+        policy's factor and history (a sync)."""
         left, *counts = self.counter_values()
+        ceiling, since_backoff, *caps = self.history()
         return {
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
@@ -656,32 +798,51 @@ class ScaleState:
             "at_min_scale": self.at_min_scale,
             "hysteresis_left": left,
             **dict(zip(COUNTER_NAMES, counts, strict=True)),
+            "headroom": self.headroom,
+            "ceiling": ceiling,
+            "since_backoff": since_backoff,
+            "history": caps,
         }
 
-    def load(self, policy: Policy | None, counters: list[int] | None) -> None:
-        """A checked checkpoint's part (read_checkpoint): its policy (None: kept) and counters
-        (None: a fresh start)."""
+    def load(
+        self,
+        policy: Policy | None,
+        counters: list[int] | None,
+        headroom: float | None = None,
+        history: list[float] | None = None,
+    ) -> None:
+        """A checked checkpoint's part (read_checkpoint): its policy and headroom factor (None:
+        kept), counters and history (None: a fresh start)."""
         if policy is not None:
             self.set_policy(*policy)
+        if headroom is not None:
+            self.headroom = headroom
         if counters is None:
             counters = [self.hysteresis] + [0] * len(COUNTER_NAMES)
         self.init_counters = counters
+        self.init_history = history
         if self.tensor is not None:
-            self.tensor[HYSTERESIS_LEFT:].copy_(torch.tensor(counters, dtype=torch.int32))
+            self.tensor[COUNTERS].copy_(torch.tensor(counters, dtype=torch.int32))
+            bits = torch.tensor(self.headroom_bits_at_init(), dtype=torch.int32)
+            self.tensor[CEILING:].copy_(bits)
+            self.tensor[MAGNITUDE] = 0  # (the last iteration's measurement is not the loaded one's)
         self.pending = None
 
     # -- pickling: plain values under the scaler's own keys (no ampfused class in a pickle, and
     # the keys scalers have pickled since the policy exists)
     SNAPSHOT_KEYS = ("_min_scale", "_max_scale", "_hysteresis", "_at_min_scale")
+    SNAPSHOT_EXTRA = ("_init_counters", "_headroom", "_init_history")
 
     def snapshot(self) -> dict[str, Any]:
-        """The policy and the counters (a sync once the tensor exists); the tensors are made
-        again lazily from them and the scaler's _init_scale, _init_growth_tracker, as torch's
-        scaler pickles its scale."""
+        """The policy, the counters and the history (a sync once the tensor exists); the tensors
+        are made again lazily from them and the scaler's _init_scale, _init_growth_tracker, as
+        torch's scaler pickles its scale."""
         values = (self.min_scale, self.max_scale, self.hysteresis, self.at_min_scale)
         return {
             **dict(zip(self.SNAPSHOT_KEYS, values, strict=True)),
             "_init_counters": self.counter_values(),
+            "_headroom": self.headroom,
+            "_init_history": self.history(),
         }
 
     @classmethod
@@ -690,6 +851,7 @@ class ScaleState:
         policy existed) take the defaults."""
         defaults = (None, None, 1, "clamp")
         policy = tuple(values.get(k, d) for k, d in zip(cls.SNAPSHOT_KEYS, defaults, strict=True))
-        state = cls(policy)  # type: ignore[arg-type]
+        state = cls(policy, values.get("_headroom", 0.0))  # type: ignore[arg-type]
         state.init_counters = values.get("_init_counters")
+        state.init_history = values.get("_init_history")
         return state

@@ -32,6 +32,7 @@ never differ, and the scale policy and the counters hold on every path.
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 import weakref
 from collections import defaultdict
@@ -207,6 +208,19 @@ class GradScaler(torch.amp.GradScaler):
             every update under half their ulp, so training can stall silently.  The supported
             ways: float32 parameters under ``torch.autocast``, or float16 parameters with
             float32 masters (:class:`ampfused.MasterWeights`).
+        policy: how the scale moves on clean steps. ``"torch"`` (the default): torch's rule,
+            growth by growth_factor every growth_interval clean steps, bit for bit.
+            ``"headroom"``: the pass also measures the largest finite magnitude of the scaled
+            gradients (and, under ``watch(model, activations=True)``, of the traced float16
+            activation gradients), and the scale moves to keep the largest of the last 16
+            iterations ``headroom`` times below float16's largest value (65,504): up as soon as
+            they leave room, down before they overflow.  An overflow still skips the step and
+            backs off by backoff_factor, and holds the scale there while it is in the history.
+            Starts at init_scale=1.0 where init_scale is left at torch's default (2**16).  On
+            the device, no host sync.  Measures only parameter gradients without activation
+            tracing: see the README's "A loss scale that reads its headroom".
+        headroom: the factor of the headroom policy (from 1 to 65,504; 4 by default); only
+            with ``policy="headroom"``.
         found_inf_group: a ``torch.distributed`` process group, or a list of them, over which
             every found_inf flag is all-reduced (MAX) as soon as a pass has computed it, before
             the optimizer's step or :meth:`update` reads it, so every rank skips the same steps
@@ -245,9 +259,25 @@ class GradScaler(torch.amp.GradScaler):
         scaling: bool = True,
         allow_fp16: bool = False,
         found_inf_group: Any = _dist.NO_GROUP,
+        policy: str = "torch",
+        headroom: float = _scale_state.DEFAULT_HEADROOM,
     ) -> None:
         found_inf_groups = _dist.check_found_inf_group(type(self).__name__, found_inf_group)
         _check_switches(scaling, allow_fp16, min_scale, max_scale, hysteresis)
+        headroom_factor = _scale_state.check_headroom(type(self).__name__, policy, headroom)
+        if policy == "torch" and headroom not in (None, _scale_state.DEFAULT_HEADROOM):
+            raise ValueError(
+                f"{type(self).__name__}: headroom={headroom!r} acts only with "
+                "policy='headroom'; pass policy='headroom' too, or leave headroom out"
+            )
+        if policy == "headroom" and init_scale == 2.0**16 and type(init_scale) is float:
+            # torch's default: the headroom policy starts low and moves to the measured level
+            init_scale = _scale_state.HEADROOM_START
+            low, high = min_scale, max_scale
+            if isinstance(low, numbers.Real) and init_scale < low:
+                init_scale = float(low)
+            if isinstance(high, numbers.Real) and init_scale > high:
+                init_scale = float(high)
         try:
             super().__init__(
                 device=device,
@@ -260,13 +290,14 @@ class GradScaler(torch.amp.GradScaler):
         except (AssertionError, TypeError) as e:
             raise _scale_state.constructor_factor_error(e, growth_factor, backoff_factor) from e
         self._init_fused_state()
-        policy = _scale_state.check_constructor(
+        checked_policy = _scale_state.check_constructor(
             self._enabled,
             init_scale,
             (growth_factor, backoff_factor, growth_interval),
             (min_scale, max_scale, hysteresis, at_min_scale),
         )
-        self._scale_state.set_policy(*policy)
+        self._scale_state.set_policy(*checked_policy)
+        self._scale_state.headroom = headroom_factor
         self._scaling = scaling
         self._allow_fp16 = allow_fp16
         self._found_inf_plan = _dist.reductions(found_inf_groups, "max")
@@ -315,6 +346,25 @@ class GradScaler(torch.amp.GradScaler):
     def at_min_scale(self) -> str:
         """What a backoff held at min_scale does: "clamp", "warn" or "raise"."""
         return self._scale_state.at_min_scale
+
+    @property
+    def policy(self) -> str:
+        """How the scale moves on clean steps: "torch" or "headroom"."""
+        return "headroom" if self._scale_state.headroom else "torch"
+
+    @property
+    def headroom(self) -> float | None:
+        """The headroom policy's factor (None under torch's rule)."""
+        return self._scale_state.headroom or None
+
+    @not_traced_eager
+    def magnitude(self) -> float:
+        """The largest finite magnitude of the scaled gradients the last iteration measured
+        (the headroom policy's measurement: parameter gradients on the scale's device, and
+        traced float16 activation gradients under ``watch(model, activations=True)``), at the
+        scale it ran with; +inf if it found inf/NaN; 0.0 if nothing was measured (torch's
+        policy measures nothing).  A host sync."""
+        return self._scale_state.magnitude()
 
     @not_traced
     def scale(self, outputs: Any) -> Any:
@@ -381,7 +431,7 @@ class GradScaler(torch.amp.GradScaler):
         self._init_growth_tracker = loaded.growth_tracker
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(loaded.growth_tracker)
-        self._scale_state.load(loaded.policy, loaded.counters)
+        self._scale_state.load(loaded.policy, loaded.counters, loaded.headroom, loaded.history)
 
     @not_traced_eager
     def state_dict(self) -> dict[str, Any]:
@@ -426,7 +476,7 @@ class GradScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         scale_state = ScaleState.from_snapshot(state)
-        for key in (*ScaleState.SNAPSHOT_KEYS, "_init_counters", *_LEGACY_KEYS):
+        for key in (*ScaleState.SNAPSHOT_KEYS, *ScaleState.SNAPSHOT_EXTRA, *_LEGACY_KEYS):
             state.pop(key, None)
         self._init_fused_state()
         self.__dict__.update(state)

@@ -663,3 +663,48 @@ def fsdp1_clip(rank: int, world: int, device: str) -> dict:
         sc.unscale_(optimizer)
         out[kind] = float(wrapped.clip_grad_norm_(0.05))
     return out
+
+
+def headroom_traced(rank: int, world: int, device: str, group: bool) -> dict:
+    """The headroom policy under DDP with traced activations, rank 1's loss 300 times larger (so
+    are its activation gradients; the weight gradients are averaged): with found_inf_group the
+    magnitude is agreed in the flag's all-reduce (one per step) and the ranks keep one scale;
+    without, they drift apart."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    # No biases (their gradients sum over the batch), a large last layer, small inputs: the
+    # float16 activation gradient between the layers is far larger than any weight gradient.
+    model = nn.Sequential(nn.Linear(8, 64, bias=False), nn.ReLU(), nn.Linear(64, 4, bias=False))
+    model = model.to(device)
+    with torch.no_grad():
+        model[2].weight.mul_(100.0)
+    wrapped = DistributedDataParallel(model)
+    # Two optimizers: the second pass of an iteration keeps the first's agreed magnitude.
+    optimizers = [make_opt("sgd", [p]) for p in model.parameters()]
+    kwargs = {"found_inf_group": dist.group.WORLD} if group else {}
+    sc = ampfused.GradScaler(torch.device(device).type, policy="headroom", **kwargs)
+    sc.watch(model, activations=True)
+    calls = []
+    real = dist.all_reduce
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kw)
+
+    dist.all_reduce = counted
+    scales = []
+    try:
+        for step in range(STEPS):
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            loss = loss_of(wrapped, batch(step, rank, device) * 1e-3)
+            sc.scale(loss * (300.0 if rank == 1 else 1.0)).backward()
+            for optimizer in optimizers:
+                sc.step(optimizer)
+            sc.update()
+            scales.append(sc.get_scale())
+    finally:
+        dist.all_reduce = real
+    params = [snap(p) for p in model.parameters()]
+    return {"scales": scales, "all_reduces": len(calls), "params": params}

@@ -335,3 +335,20 @@ def test_fused_optimizer_step_reads_nothing_on_the_host(pool: RankPool, engine: 
     out = pool.run("fused_step_reads_nothing", engine=engine)
     expected = [step == scn.INF_STEP for step in range(scn.STEPS)]
     assert out == [expected] * WORLD
+
+
+def test_headroom_policy_agrees_in_the_flags_collective(pool: RankPool) -> None:
+    """The headroom policy with traced activations: each rank measures its own batch's
+    activation gradients; found_inf_group agrees the magnitude in the same all-reduce as the
+    flag (one per pass), so the ranks hold one scale and step the same parameters.  Without
+    the group (plain DDP runs no collective of ours) the scales differ: the README says to pass
+    found_inf_group=dist.group.WORLD with traced activations."""
+    ours = pool.run("headroom_traced", group=True)
+    assert ours[0]["scales"] == ours[1]["scales"]
+    assert ours[0]["scales"][0] > 1.0  # the scale moved from the policy's start
+    # one per pass (two optimizers: two passes an iteration), the magnitude riding in each
+    assert [r["all_reduces"] for r in ours] == [2 * scn.STEPS, 2 * scn.STEPS]
+    assert ours[0]["params"] == ours[1]["params"]
+    apart = pool.run("headroom_traced", group=False)
+    assert apart[0]["scales"] != apart[1]["scales"]
+    assert [r["all_reduces"] for r in apart] == [0, 0]

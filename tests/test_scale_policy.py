@@ -539,13 +539,18 @@ def test_state_dict_entry(device):
         "growths": 0,
         "backoffs": 0,
         "floor_hits": 0,
+        "headroom": 0.0,  # torch's rule
+        # the headroom policy's state: no ceiling, no backoff yet, no cap
+        "ceiling": INF,
+        "since_backoff": 2**31 - 1,
+        "history": [INF] * ops.HISTORY,
     }
     for f in FOUNDS[:CUT]:
         loop.step(f)
     entry = loop.scaler.state_dict()["ampfused"]
-    left, *counts = state_list(loop.scaler)[2:]
-    assert list(entry.values()) == [32.0, 1024.0, 2, "warn", left, *counts]
-    assert all(type(v) is int for v in list(entry.values())[4:])
+    left, *counts = state_list(loop.scaler)[2:9]
+    assert list(entry.values())[:11] == [32.0, 1024.0, 2, "warn", left, *counts]
+    assert all(type(v) is int for v in list(entry.values())[4:11])
 
 
 def test_checkpoint_ours_into_torch(device):
@@ -584,7 +589,7 @@ def test_checkpoint_torch_into_ours(device, after_scale):
         )
     ours.scaler.load_state_dict(through_torch_save(theirs.scaler.state_dict()))
     assert ours.scaler.counters() == {
-        **dict.fromkeys(ops.STATE_FIELDS[3:], 0),
+        **dict.fromkeys(ops.STATE_FIELDS[3:9], 0),
         "hysteresis_left": 3,
     }
     assert (ours.scaler.min_scale, ours.scaler.max_scale, ours.scaler.hysteresis) == (
@@ -611,6 +616,10 @@ GOOD_ENTRY = {
     "growths": 3,
     "backoffs": 2,
     "floor_hits": 1,
+    "headroom": 4.0,
+    "ceiling": 2.0**12,
+    "since_backoff": 40,
+    "history": [2.0**10] + [INF] * 14 + [2.0**8],
 }
 BAD_ENTRIES = [
     ("entry", [1, 2], TypeError, "must be the dict"),
@@ -624,6 +633,13 @@ BAD_ENTRIES = [
     ("min_scale", "2", TypeError, "min_scale must be None"),
     ("max_scale", 1.0, ValueError, "min_scale=2.0 is above max_scale=1.0"),
     ("at_min_scale", "ignore", ValueError, "at_min_scale must be one of"),
+    ("headroom", 0.5, ValueError, "['headroom']: headroom must be from 1 to 65504"),
+    ("headroom", "4", TypeError, "['headroom']: headroom must be a float"),
+    ("history", [1.0] * 3, TypeError, "['history'] must be a list of 16 floats"),
+    ("history", [-1.0] * 16, ValueError, "['history'] must hold positive floats"),
+    ("ceiling", "big", TypeError, "['ceiling'] must hold floats"),
+    ("since_backoff", -1, TypeError, "['since_backoff'] must be an int from 0"),
+    ("since_backoff", None, KeyError, "no 'since_backoff' entry"),
 ]
 
 

@@ -59,8 +59,15 @@ class Question:
 
 
 # --------------------------------------------------------------------------- step_cost
-STEP_COST_SETS = (_w("3000 x 16", uniform(3000, 16)), X1000_1K, GPT2, X4_16M)
-STEP_COST_METHODS = ("ampfused", "torch", "floor-mul")
+STEP_COST_SETS = (
+    _w("3000 x 16", uniform(3000, 16)),
+    X1000_1K,
+    GPT2,
+    X4_16M,
+    # the 16-bit rows: the headroom policy's measurement in the 16-bit loops
+    *(_w("gpt2-124m", gpt2_124m(), d) for d in ("fp16", "bf16")),
+)
+STEP_COST_METHODS = ("ampfused", "ampfused-headroom", "torch", "floor-mul")
 
 
 def _step_cost_plan(ctx: Context, args: argparse.Namespace) -> list:
@@ -72,6 +79,7 @@ def _step_cost_plan(ctx: Context, args: argparse.Namespace) -> list:
 def _step_cost_table(records: list[Record], tablefmt: str = "simple") -> str:
     ratios = [
         ("torch / ampfused", "torch", "ampfused"),
+        ("headroom / ampfused", "ampfused-headroom", "ampfused"),
         ("ampfused / floor", "ampfused", "floor-mul"),
         ("torch / floor", "torch", "floor-mul"),
     ]

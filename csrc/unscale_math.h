@@ -306,26 +306,22 @@ constexpr float kBlindGrowthLimit = 65536.0f;
 
 // ---------------------------------------------------------------------------------------------
 // The headroom policy's measurement: the largest finite |v| over the scaled values v a pass
-// reads, taken on each element's storage bits (sign cleared, inf/NaN counted as 0: for
-// non-negative values of one format integer order is value order) and turned into a float32
-// at the end of a run (MagnitudeOf<T>::to_float_bits), where the runs of a pass combine by an
-// unsigned max of float32 bits (atomicMax across CUDA blocks).
+// reads, taken on each element's storage bits with the sign cleared (for non-negative values of
+// one format integer order is value order) and turned into a float32 at the end of a run
+// (MagnitudeOf<T>::to_float_bits), where the runs of a pass combine by an unsigned max of
+// float32 bits (atomicMax across CUDA blocks).  inf/NaN are not masked out: a pass that reads one
+// found inf/NaN, and its magnitude is then +inf whatever the runs measured (finish_pass), so the
+// loops spend two operations per element on it (an and, a max).
 template <typename T>
 struct MagnitudeOf {  // float32
   using type = uint32_t;
-  static AMPFUSED_INLINE uint32_t of(float x) {
-    const uint32_t u = float_bits(x) & 0x7fffffffu;
-    return u & (0u - static_cast<uint32_t>(u < kFloatExpMask));  // (a mask: vectorizes)
-  }
+  static AMPFUSED_INLINE uint32_t of(float x) { return float_bits(x) & 0x7fffffffu; }
   static AMPFUSED_INLINE uint32_t to_float_bits(uint32_t b) { return b; }
 };
 template <>
 struct MagnitudeOf<double> {
   using type = uint64_t;
-  static AMPFUSED_INLINE uint64_t of(double x) {
-    const uint64_t u = double_bits(x) & 0x7fffffffffffffffull;
-    return u & (0ull - static_cast<uint64_t>(u < kDoubleExpMask));
-  }
+  static AMPFUSED_INLINE uint64_t of(double x) { return double_bits(x) & 0x7fffffffffffffffull; }
   // Rounded to float32, up to float32's largest finite value (a float64 beyond its range).
   static AMPFUSED_INLINE uint32_t to_float_bits(uint64_t b) {
     double d;
@@ -341,10 +337,7 @@ struct MagnitudeOf<double> {
 template <>
 struct MagnitudeOf<c10::Half> {
   using type = uint16_t;
-  static AMPFUSED_INLINE uint16_t of(c10::Half x) {
-    const uint16_t h = x.x & 0x7fffu;
-    return static_cast<uint16_t>(h & (0u - static_cast<uint32_t>(h < kHalfExpMask)));
-  }
+  static AMPFUSED_INLINE uint16_t of(c10::Half x) { return x.x & 0x7fffu; }
   static AMPFUSED_INLINE uint32_t to_float_bits(uint16_t b) {
     return float_bits(static_cast<float>(c10::Half(b, c10::Half::from_bits())));
   }
@@ -352,10 +345,7 @@ struct MagnitudeOf<c10::Half> {
 template <>
 struct MagnitudeOf<c10::BFloat16> {
   using type = uint16_t;
-  static AMPFUSED_INLINE uint16_t of(c10::BFloat16 x) {
-    const uint16_t h = x.x & 0x7fffu;
-    return static_cast<uint16_t>(h & (0u - static_cast<uint32_t>(h < kBFloat16ExpMask)));
-  }
+  static AMPFUSED_INLINE uint16_t of(c10::BFloat16 x) { return x.x & 0x7fffu; }
   static AMPFUSED_INLINE uint32_t to_float_bits(uint16_t b) {
     return static_cast<uint32_t>(b) << 16;
   }

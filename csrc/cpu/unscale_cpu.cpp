@@ -74,8 +74,8 @@ AMPFUSED_INLINE bool process(T* __restrict p, int64_t n, opmath_t<T> inv, bool c
 // needs no conversion: process() tests the bits, vectorized.
 #if defined(__GNUC__) && defined(__x86_64__)
 #define AMPFUSED_HAVE_F16C_PATH 1
-// kMeasure: MagnitudeOf<c10::Half> eight at a time (the sign-cleared bits, 0 where inf/NaN),
-// max-ed into `mag` as process() does.
+// kMeasure: MagnitudeOf<c10::Half> eight at a time (the sign-cleared bits), max-ed into `mag`
+// as process() does.
 template <bool kMeasure>
 __attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_t n, float inv,
                                                             uint32_t* mag) {
@@ -89,9 +89,8 @@ __attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_
     auto* at = reinterpret_cast<__m128i*>(p + i);
     const __m128i h = _mm_loadu_si128(at);
     // non_finite_half_bits, eight at a time.
-    const __m128i non_finite = _mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask);
-    bad = _mm_or_si128(bad, non_finite);
-    if (kMeasure) m = _mm_max_epu16(m, _mm_andnot_si128(non_finite, _mm_and_si128(h, abs_mask)));
+    bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask));
+    if (kMeasure) m = _mm_max_epu16(m, _mm_and_si128(h, abs_mask));
     __m256 f = _mm256_cvtph_ps(h);
     if (inv != 1.0f) f = _mm256_mul_ps(f, vinv);
     _mm_storeu_si128(at, _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -119,12 +118,15 @@ __attribute__((target("avx2,f16c"))) bool unscale_half_f16c(c10::Half* p, int64_
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #define AMPFUSED_AVX512 __attribute__((target("avx512f"), always_inline)) inline
 
-// Sixteen stored elements in float32 (exact).
+// Sixteen stored elements (their bits) in float32 (exact).
 template <typename T>
-AMPFUSED_AVX512 __m512 load16_avx512(const void* at) {
-  const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(at));
+AMPFUSED_AVX512 __m512 widen16_avx512(__m256i h) {
   if constexpr (std::is_same_v<T, c10::Half>) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+AMPFUSED_AVX512 __m512 load16_avx512(const void* at) {
+  return widen16_avx512<T>(_mm256_loadu_si256(static_cast<const __m256i*>(at)));
 }
 
 // Sixteen float32 values rounded to T and stored (to_storage<T>); returns the stored values in
@@ -154,28 +156,32 @@ AMPFUSED_AVX512 __m512 store16_avx512(void* at, __m512 u) {
 // elements that fill no vector through process().
 // kInvOne: the multiply-or-pass rule's pass (not a multiply by 1, which flushes a bfloat16
 // denormal to zero under torch.set_flush_denormal(True)).
-// kMeasure: MagnitudeOf the input on its float32 bits (the same value as on the stored bits:
-// the widening is exact), max-ed into `mag`.
+// kMeasure: MagnitudeOf<T> on the stored 16-bit lanes (an and and a max over 256 bits), max-ed
+// into `mag`.
 template <typename T, bool kInvOne, bool kMeasure>
-__attribute__((target("avx512f"))) bool unscale16_avx512(T* p, int64_t n, float inv,
-                                                         uint32_t* mag) {
+__attribute__((target("avx512f,avx2"))) bool unscale16_avx512(T* p, int64_t n, float inv,
+                                                              uint32_t* mag) {
   const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
-  const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
+  const __m256i abs16 = _mm256_set1_epi16(0x7fff);
   __mmask16 bad = 0;
-  __m512i m = _mm512_setzero_si512();
+  __m256i m = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16_avx512<T>(p + i);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    if (kMeasure) m = _mm256_max_epu16(m, _mm256_and_si256(h, abs16));
+    const __m512 v = widen16_avx512<T>(h);
     const __m512i vb = _mm512_castps_si512(v);
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(vb, inf32), inf32);
-    if (kMeasure) {
-      const __m512i a = _mm512_and_si512(vb, abs32);
-      m = _mm512_mask_max_epu32(m, _mm512_cmplt_epu32_mask(a, inf32), m, a);
-    }
     store16_avx512<T>(p + i, kInvOne ? v : _mm512_mul_ps(v, vinv));
   }
-  if (kMeasure) *mag = max_bits(*mag, static_cast<uint32_t>(_mm512_reduce_max_epu32(m)));
+  if (kMeasure) {
+    alignas(32) uint16_t lanes[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+    uint16_t top = 0;
+    for (uint16_t l : lanes) top = max_bits(top, l);
+    *mag = max_bits(*mag, MagnitudeOf<T>::to_float_bits(top));
+  }
   return process<T, kMeasure>(p + i, n - i, static_cast<opmath_t<T>>(inv), /*check_only=*/false,
                               mag) ||
          bad != 0;

@@ -357,12 +357,18 @@ def test_scaler_pass(host, schedule: str, grad_set: str) -> None:  # noqa: ANN00
         (2.0, 0.25, 1, 2.0**15, 2.0**16, 3, 0.0),
         (2.0, 0.5, 3, 1.0, INF, 1, 8.0),
     ]
+    # The magnitude is measured in a clean copy (an inf/NaN makes it +inf), its largest element
+    # in the first gradient: in a multi-launch pass, in a launch that only accumulates.
+    measured = [copy_of(g) for g in GRAD_SETS[grad_set]()]
+    if measured and measured[0].numel():
+        measured[0].view(-1)[0] = 2.0**20
     for *policy, headroom in policies:
         for check_only in (False, True):
             for accumulate in (False, True):
                 nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
                 nxt[9] = 0x3F800000 if accumulate else -5  # (an earlier pass's magnitude: 1.0)
-                args = [grads, torch.full((1,), 9.0), state(2.0**16, 2, 2), nxt, None]
+                pass_grads = measured if headroom else grads
+                args = [pass_grads, torch.full((1,), 9.0), state(2.0**16, 2, 2), nxt, None]
                 args += [*policy, check_only, accumulate, headroom]
                 run_three(host, "scaler_pass_", args)
 

@@ -42,8 +42,29 @@ from ampfused import _build_config as config
 __all__ = ["KernelsUnavailableError", "KernelsUnavailableWarning", "load", "info", "require"]
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# Rough compile times on 2 cores, for the note printed while a build runs.
-_CPU_MINUTES, _CUDA_MINUTES_PER_ARCH = 1.5, 1.5
+# The compilers' CPU time on a 2-core AMD EPYC (g++ 12, nvcc 13.0, torch 2.14.1): the CPU
+# sources, and the CUDA sources per architecture (7 CPU-minutes for CPU + three archs, measured
+# at a first import; 5 to 7 for CPU + one arch by `make install`).  The note printed while a
+# build runs divides them by the cores the build can use now (_compile_minutes).
+_CPU_CORE_MINUTES, _CUDA_CORE_MINUTES_PER_ARCH = 3.5, 1.5
+
+
+def _compile_minutes(with_cuda: bool, archs: int) -> tuple[float, float, float]:
+    """(wall minutes, CPU minutes, cores) this build should take here: the CPU minutes over the
+    cores not busy now (os.cpu_count() less the 1-minute load average, at most MAX_JOBS, at
+    least 1)."""
+    core_minutes = _CPU_CORE_MINUTES + (_CUDA_CORE_MINUTES_PER_ARCH * archs if with_cuda else 0)
+    cores = os.cpu_count() or 1
+    try:
+        jobs = int(os.environ.get("MAX_JOBS") or cores)
+    except ValueError:  # (ninja's own parse fails later, with its message)
+        jobs = cores
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # (no load average on this platform)
+        load = 0.0
+    free = max(1.0, min(float(jobs), cores - load))
+    return core_minutes / free, core_minutes, free
 
 
 class KernelsUnavailableError(ImportError, RuntimeError):
@@ -394,13 +415,13 @@ def _cached() -> ModuleType:
             raise _BuildProblem(problem)
         if os.path.exists(record_path):
             os.remove(record_path)  # no reader may take the shared object while it is rewritten
-        minutes = _CPU_MINUTES + (
-            _CUDA_MINUTES_PER_ARCH * len(arch_list.split(";")) if with_cuda else 0
-        )
+        archs = len(arch_list.split(";")) if with_cuda else 0
+        minutes, core_minutes, free = _compile_minutes(with_cuda, archs)
         what = f"CPU + CUDA ({arch_list})" if with_cuda else f"CPU only: {no_cuda}"
         _note(
             f"compiling the kernels for torch {torch.__version__} [{what}] into {build_dir}; "
-            f"about {minutes:.0f} min, once (later imports load them from there)"
+            f"about {minutes:.0f} min ({core_minutes:g} CPU-minutes over the {free:.3g} cores "
+            "not busy now), once (later imports load them from there)"
         )
         start = time.time()
         try:

@@ -215,10 +215,12 @@ class GradScaler(torch.amp.GradScaler):
             activation gradients), and the scale moves to keep the largest of the last 16
             iterations ``headroom`` times below float16's largest value (65,504): up as soon as
             they leave room, down before they overflow.  An overflow still skips the step and
-            backs off by backoff_factor, and holds the scale there while it is in the history.
-            Starts at init_scale=1.0 where init_scale is left at torch's default (2**16).  On
-            the device, no host sync.  Measures only parameter gradients without activation
-            tracing: see the README's "A loss scale that reads its headroom".
+            backs off by backoff_factor, and holds the scale there while it is in the history;
+            overflows the measurements miss (a backoff soon after a backoff) set a ceiling,
+            probed one growth_factor higher every growth_interval clean steps.  Starts at 1.0
+            where init_scale equals torch's default (2**16).  On the device, no host sync.
+            Without activation tracing only parameter gradients are measured: see
+            docs/loss-scale.md, "A loss scale that reads its headroom".
         headroom: the factor of the headroom policy (from 1 to 65,504; 4 by default); only
             with ``policy="headroom"``.
         found_inf_group: a ``torch.distributed`` process group, or a list of them, over which

@@ -563,8 +563,8 @@ def stat_magnitude(item_rows: Tensor, scale: float) -> float:
 
 def state_to_list(state: Tensor) -> list[int | float]:
     """An int32 state tensor as :func:`update_state` takes it."""
-    ints = state.cpu().tolist()
-    floats = state.cpu().view(torch.float32).tolist()
+    ints = state.tolist()  # (no .cpu(): on the CPU it returns the tensor itself)
+    floats = state.view(torch.float32).tolist()
     return [floats[k] if k in _FLOAT_FIELDS else ints[k] for k in range(STATE_SIZE)]
 
 

@@ -47,9 +47,7 @@ HYSTERESIS_LEFT = ops.STATE_FIELDS.index("hysteresis_left")
 CONSECUTIVE_SKIPS = ops.STATE_FIELDS.index("consecutive_skips")
 FLOOR_HITS = ops.STATE_FIELDS.index("floor_hits")
 MAGNITUDE = ops.STATE_FIELDS.index("magnitude")
-CEILING = ops.STATE_FIELDS.index("ceiling")
-SINCE_BACKOFF = ops.STATE_FIELDS.index("since_backoff")
-HISTORY = slice(SINCE_BACKOFF + 1, STATE_SIZE)  # the headroom policy's caps (float32 bits)
+CEILING = ops.STATE_FIELDS.index("ceiling")  # then since_backoff and the caps, to the end
 # steps, skipped_steps, consecutive_skips: what update(new_scale) advances
 ITERATION_COUNTERS = slice(ops.STATE_FIELDS.index("steps"), CONSECUTIVE_SKIPS + 1)
 COUNTERS = slice(HYSTERESIS_LEFT, FLOOR_HITS + 1)  # hysteresis left and the counters
@@ -62,6 +60,11 @@ HEADROOM_START = 1.0  # the headroom policy's first scale where init_scale is to
 def _bits(value: float) -> int:
     """A float32's bits as an int32 (no tensor made)."""
     return struct.unpack("i", struct.pack("f", value))[0]
+
+
+def _float(bits: int) -> float:
+    """The float32 whose bits an int32 holds (the inverse of _bits)."""
+    return struct.unpack("f", struct.pack("i", bits))[0]
 
 
 AT_MIN_SCALE = ("clamp", "warn", "raise")
@@ -206,16 +209,7 @@ def check_policy(
             f"{where}: hysteresis must be an int from 1 to 2**31 - 1 (1 is torch's rule); got "
             f"{hysteresis!r}"
         )
-    if not isinstance(at_min_scale, str):
-        raise TypeError(
-            f"{where}: at_min_scale must be one of {', '.join(map(repr, AT_MIN_SCALE))}; got "
-            f"{at_min_scale!r} ({type(at_min_scale).__name__})"
-        )
-    if at_min_scale not in AT_MIN_SCALE:
-        raise ValueError(
-            f"{where}: at_min_scale must be one of {', '.join(map(repr, AT_MIN_SCALE))}; got "
-            f"{at_min_scale!r}"
-        )
+    _check_choice(where, "at_min_scale", at_min_scale, AT_MIN_SCALE)
     if at_min_scale != "clamp" and low is None:
         raise ValueError(
             f"{where}: at_min_scale={at_min_scale!r} acts when a backoff is held at min_scale, "
@@ -224,19 +218,25 @@ def check_policy(
     return low, high, int(hysteresis), at_min_scale
 
 
+def _check_choice(where: str, name: str, value: Any, choices: tuple, about: str = "") -> None:
+    """A string option: TypeError for another type, ValueError for another string."""
+    wanted = f"{where}: {name} must be one of {', '.join(map(repr, choices))}"
+    if not isinstance(value, str):
+        raise TypeError(f"{wanted}; got {value!r} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{wanted}{about}; got {value!r}")
+
+
 def check_headroom(where: str, policy: Any, headroom: Any) -> float:
     """The headroom factor as the kernels take it (0.0: torch's rule), or the exception naming
     the argument."""
-    if not isinstance(policy, str):
-        raise TypeError(
-            f"{where}: policy must be one of {', '.join(map(repr, POLICIES))}; got {policy!r} "
-            f"({type(policy).__name__})"
-        )
-    if policy not in POLICIES:
-        raise ValueError(
-            f"{where}: policy must be one of {', '.join(map(repr, POLICIES))} ('torch' is "
-            f"torch's rule, 'headroom' moves the scale by measured magnitudes); got {policy!r}"
-        )
+    _check_choice(
+        where,
+        "policy",
+        policy,
+        POLICIES,
+        " ('torch' is torch's rule, 'headroom' moves the scale by measured magnitudes)",
+    )
     if headroom is None:  # (the headroom property's value under torch's rule)
         headroom = DEFAULT_HEADROOM
     if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real):
@@ -636,9 +636,8 @@ class ScaleState:
         once the state exists); +inf: none."""
         if self.tensor is None:
             return list(self.init_history or FRESH_HEADROOM_STATE)
-        floats = self.tensor[CEILING:].view(torch.float32).tolist()
-        floats[1] = int(self.tensor[SINCE_BACKOFF])
-        return floats
+        ceiling, since, *caps = self.tensor[CEILING:].tolist()  # (one device-to-host copy)
+        return [_float(ceiling), since, *map(_float, caps)]
 
     def magnitude(self) -> float:
         """The last committed iteration's measured magnitude (+inf: it found inf/NaN, 0: none

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu/parallel.h"
 #include "launch_table.h"
 #include "ops.h"
 #include "unscale.h"
@@ -72,9 +73,6 @@ std::vector<IntoSpan> into_spans(at::TensorList grads, at::TensorList out,
 }
 
 namespace {
-
-// Below this many elements a single thread finishes before the pool would have started.
-constexpr int64_t kParallelMinElements = 64 * 1024;
 
 // One run, the per-element rule of visit_into with a constant mode so the loop vectorizes.
 template <typename T>
@@ -135,29 +133,23 @@ void launch_into_cpu(const std::vector<IntoSpan>& spans, const float* inv_scale,
   const float inv = *inv_scale;
   // Pieces of at most kChunkSize elements of one span, so a large tensor is split across threads.
   std::vector<std::tuple<size_t, int64_t, int64_t>> pieces;
-  int64_t total = 0;
+  int64_t bytes = 0;  // read and written: the split's cost measure (parallel.h)
   for (const auto s : c10::irange(spans.size())) {
     for (int64_t b = 0; b < spans[s].numel; b += kChunkSize) {
       pieces.emplace_back(s, b, std::min(spans[s].numel, b + kChunkSize));
     }
-    total += spans[s].numel;
+    bytes += spans[s].numel * static_cast<int64_t>(c10::elementSize(spans[s].dtype) + 4);
   }
-  std::atomic<uint32_t> bad{0};
-  const auto run = [&](int64_t first, int64_t last) {
+  const auto n = static_cast<int64_t>(pieces.size());
+  const bool bad = cpu::run_pieces(n, bytes, [&](int64_t first, int64_t last) {
     uint32_t local = 0;
     for (int64_t k = first; k < last; ++k) {
       const auto& [s, b, e] = pieces[k];
       local |= into_span(spans[s], b, e, inv);
     }
-    if (local) bad.store(1, std::memory_order_relaxed);
-  };
-  const auto n = static_cast<int64_t>(pieces.size());
-  if (total < kParallelMinElements || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    run(0, n);
-  } else {
-    at::parallel_for(0, n, 1, run);
-  }
-  if (bad.load()) *found_inf = 1.0f;  // set, never clear (the contract)
+    return local != 0;
+  });
+  if (bad) *found_inf = 1.0f;  // set, never clear (the contract)
 }
 
 namespace {

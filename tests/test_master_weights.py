@@ -87,9 +87,12 @@ def one_thread():
 
 @pytest.fixture
 def parallel(one_thread):
-    """Two intra-op threads: the CPU kernel splits calls of 64K+ elements across threads
-    (at::parallel_for over chunk pieces) only when it has more than one."""
+    """Two intra-op threads, and every CPU pass over 256 KB split across them (by default a
+    pass splits where earlier splits paid: csrc/cpu/parallel.h)."""
     torch.set_num_threads(2)
+    before = torch.ops.ampfused._cpu_split_config("always", 0, True)
+    yield
+    torch.ops.ampfused._cpu_split_config(before, 0, True)
 
 
 def gen(seed: int) -> torch.Generator:

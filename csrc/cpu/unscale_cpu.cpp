@@ -1,8 +1,8 @@
 // CPU kernel of the unscale op family (contract: unscale.h).
 //
 // Plain loops the compiler vectorizes (the finiteness test is an integer mask on the bits, the
-// found flag an integer OR), split across at::parallel_for when the pass is large enough to pay
-// for waking the thread pool.  What each element becomes is unscale_math.h's, shared with CUDA;
+// found flag an integer OR), over pieces that threads share where splitting pays (parallel.h).
+// What each element becomes is unscale_math.h's, shared with CUDA;
 // the CPU key's kernels register at the end of this file.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -15,15 +15,14 @@
 #endif
 #include <type_traits>
 
+#include "cpu/parallel.h"
 #include "launch_table.h"
 #include "unscale.h"
 
 namespace ampfused {
 namespace {
 
-// Below this many bytes a single thread finishes before the pool would have started.
-constexpr int64_t kParallelMinBytes = 256 * 1024;
-// Work item for the parallel split, in bytes of gradient.
+// A piece of the plain pass, in bytes of gradient.
 constexpr int64_t kChunkBytes = 256 * 1024;
 
 // The largest of two magnitudes (float32 bits, or a run's storage bits: MagnitudeOf).
@@ -502,19 +501,12 @@ void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
     return stats_span(spans[pc.span], pc.begin, pc.end, inv, a.check_only,
                       a.grad_stats + (1 + k) * kStatFields);
   };
-  bool found = false;
   const auto num_items = static_cast<int64_t>(items.size());
-  if (total_bytes < kParallelMinBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    for (int64_t k = 0; k < num_items; ++k) found |= run(k);
-  } else {
-    std::atomic<bool> any{false};
-    at::parallel_for(0, num_items, 1, [&](int64_t b, int64_t e) {
-      bool local = false;
-      for (int64_t k = b; k < e; ++k) local |= run(k);
-      if (local) any.store(true, std::memory_order_relaxed);
-    });
-    found = any.load();
-  }
+  const bool found = cpu::run_pieces(num_items, total_bytes, [&](int64_t first, int64_t last) {
+    bool any = false;
+    for (int64_t k = first; k < last; ++k) any |= run(k);
+    return any;
+  });
   // The magnitude from the items' abs-max (stat_magnitude_bits), as the CUDA blocks take it.
   uint32_t mag = 0;
   if (a.measures()) {
@@ -535,47 +527,44 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
   int64_t total_bytes = 0;
   for (const Span& sp : spans)
     total_bytes += sp.numel * static_cast<int64_t>(c10::elementSize(sp.dtype));
-
-  bool found = false;
-  uint32_t mag = 0;
   const bool measure = a.measures();
-  if (total_bytes < kParallelMinBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    if (measure) {
-      for (const Span& sp : spans) found |= measure_span(sp, 0, sp.numel, inv, a.check_only, &mag);
-    } else {
-      for (const Span& sp : spans) found |= process_span(sp, 0, sp.numel, inv, a.check_only);
+  if (!cpu::may_split(total_bytes)) {  // the calling thread, span by span
+    bool found = false;
+    uint32_t mag = 0;
+    for (const Span& sp : spans) {
+      found |= measure ? measure_span(sp, 0, sp.numel, inv, a.check_only, &mag)
+                       : process_span(sp, 0, sp.numel, inv, a.check_only);
     }
-  } else {
-    // Cut every span into ~kChunkBytes pieces so threads get even shares of large and small
-    // gradients alike.
-    std::vector<Piece> pieces;
-    pieces.reserve(spans.size() + static_cast<size_t>(total_bytes / kChunkBytes) + 1);
-    for (size_t i = 0; i < spans.size(); ++i) {
-      const int64_t step = kChunkBytes / static_cast<int64_t>(c10::elementSize(spans[i].dtype));
-      for (int64_t b = 0; b < spans[i].numel; b += step) {
-        pieces.push_back({static_cast<int32_t>(i), b, std::min(spans[i].numel, b + step)});
-      }
-    }
-    std::atomic<bool> any{false};
-    std::atomic<uint32_t> top{0};
-    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t b, int64_t e) {
-      bool local = false;
-      uint32_t local_mag = 0;
-      for (int64_t k = b; k < e; ++k) {
-        const Piece& pc = pieces[k];
-        const Span& sp = spans[pc.span];
-        local |= measure ? measure_span(sp, pc.begin, pc.end, inv, a.check_only, &local_mag)
-                         : process_span(sp, pc.begin, pc.end, inv, a.check_only);
-      }
-      if (local) any.store(true, std::memory_order_relaxed);
-      uint32_t seen = top.load(std::memory_order_relaxed);
-      while (local_mag > seen && !top.compare_exchange_weak(seen, local_mag)) {
-      }
-    });
-    found = any.load();
-    mag = top.load();
+    finish_pass(found, mag, a);
+    return;
   }
-  finish_pass(found, mag, a);
+  // Every span cut into ~kChunkBytes pieces, so threads get even shares of large and small
+  // gradients alike.
+  std::vector<Piece> pieces;
+  pieces.reserve(spans.size() + static_cast<size_t>(total_bytes / kChunkBytes) + 1);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const int64_t step = kChunkBytes / static_cast<int64_t>(c10::elementSize(spans[i].dtype));
+    for (int64_t b = 0; b < spans[i].numel; b += step) {
+      pieces.push_back({static_cast<int32_t>(i), b, std::min(spans[i].numel, b + step)});
+    }
+  }
+  std::atomic<uint32_t> top{0};
+  const auto n = static_cast<int64_t>(pieces.size());
+  const bool found = cpu::run_pieces(n, total_bytes, [&](int64_t first, int64_t last) {
+    bool any = false;
+    uint32_t mag = 0;
+    for (int64_t k = first; k < last; ++k) {
+      const Piece& pc = pieces[k];
+      const Span& sp = spans[pc.span];
+      any |= measure ? measure_span(sp, pc.begin, pc.end, inv, a.check_only, &mag)
+                     : process_span(sp, pc.begin, pc.end, inv, a.check_only);
+    }
+    uint32_t seen = top.load(std::memory_order_relaxed);
+    while (mag > seen && !top.compare_exchange_weak(seen, mag)) {
+    }
+    return any;
+  });
+  finish_pass(found, top.load(), a);
 }
 
 }  // namespace ampfused

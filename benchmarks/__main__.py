@@ -41,7 +41,7 @@ TITLES["e2e"] = "End-to-end: small GPT, float16 autocast, each scaler"
 TITLES["instructions"] = "Host cost in instructions per call (torch on one thread)"
 TITLES["tracing"] = "Activation tracing: a GPT-2 step (forward, backward, scaler) traced or not"
 TITLES["policy"] = "Loss-scale policies: float16 training on CPU (skipped steps, scale, loss)"
-ORDER = ("step_cost", "diagnostics", "clip", "masters", "distributed", "models", "counts")
+ORDER = ("step_cost", "diagnostics", "clip", "masters", "busy", "distributed", "models", "counts")
 ORDER += ("sizes", "e2e", "tracing", "policy", "instructions")
 DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="short run (< 2 min on CPU), same outputs")
+    add("--quick", action="store_true", help="short run, same outputs (times: docs/benchmarks.md)")
     add("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     add("--only", type=_csv(ORDER), metavar="Q[,Q]", help=f"questions: {', '.join(ORDER)}")
     add(

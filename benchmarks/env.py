@@ -8,6 +8,8 @@ import os
 import platform
 import re
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,6 +45,31 @@ def shown(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+# A CPU-bound process as a dataloader worker is: a Python loop, which ends itself when the
+# benchmark that started it is gone.
+_BUSY = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(1_000_000):
+        pass
+"""
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[int]:
+    """A busy process per core this process may run on, for the block; yields how many."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    procs = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def default_device() -> torch.device:

@@ -72,6 +72,26 @@ class ScalerRunner(Runner):
         self.scaler.update()
 
 
+class ForkJoinRunner(ScalerRunner):
+    """ampfused's step with every CPU pass over 256 KB split across the intra-op threads, as
+    before csrc/cpu/parallel.h decided from what splits cost (two mode switches, ~2 us each,
+    are timed with it)."""
+
+    def __init__(self, gs: GradSet) -> None:
+        super().__init__(_ampfused_cls(gs), gs)
+
+    def run(self) -> None:
+        torch.ops.ampfused._cpu_split_config("always", 0, False)
+        try:
+            super().run()
+        finally:
+            torch.ops.ampfused._cpu_split_config("auto", 0, False)
+
+
+def _has_split_config(d: torch.device) -> bool:
+    return d.type == "cpu" and hasattr(torch.ops.ampfused, "_cpu_split_config")
+
+
 def _names(gs: GradSet) -> list[str]:
     return [f"param{i}" for i in range(len(gs.params))]
 
@@ -365,6 +385,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            lambda gs: ScalerRunner(_ampfused_cls(gs), gs)),
     Method("torch", "scaler", f"{_T}: the same calls", lambda gs: ScalerRunner(_torch_cls(gs), gs),
            _torch_na),
+    Method("ampfused-forkjoin", "scaler", f"{_A}, every CPU pass split across threads (before)",
+           ForkJoinRunner, present=_has_split_config, default=False),
     Method("ampfused-headroom", "scaler", f"{_A}(policy='headroom'): the magnitude measured too",
            lambda gs: ScalerRunner(functools.partial(_ampfused_cls(gs), policy="headroom"), gs),
            default=False),

@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from benchmarks import distributed, tracing
+from benchmarks.env import busy_cores
 from benchmarks.methods import METHODS
-from benchmarks.report import host_device, joined, pivot, table
+from benchmarks.report import fmt_time, fmt_x, grid, host_device, joined, pivot, table
 from benchmarks.suite import Context, Record, run_workload
 from benchmarks.timing import TimingConfig
 from benchmarks.workloads import DTYPE_NAMES, MODELS, Workload, gpt2_124m, uniform
@@ -19,6 +24,11 @@ from benchmarks.workloads import DTYPE_NAMES, MODELS, Workload, gpt2_124m, unifo
 # The targets' questions take more samples: their figures are ratios a few percent apart.
 TARGET_TIMING = TimingConfig(3, 15, 61, min_time_s=0.5, max_wall_s=20.0)
 QUICK_TARGET_TIMING = TimingConfig(2, 5, 11, min_time_s=0.1, max_wall_s=2.5, batch_s=0.02)
+# Under load a torch step can take a second (busy): rounds end on wall time.  Batched, so that
+# each step's parallel regions follow the restore's as a training step's follow backward's: a
+# pool thread still spinning from the last region is the one the OS preempts (benchmarks/README).
+BUSY_TIMING = TimingConfig(1, 7, 41, min_time_s=0.5, max_wall_s=10.0, mode="batched")
+QUICK_BUSY_TIMING = TimingConfig(1, 5, 11, min_time_s=0.1, max_wall_s=3.0, mode="batched")
 
 
 def _w(name: str, shapes: Sequence, dtype: str = "fp32", family: str = "target") -> Workload:
@@ -43,18 +53,32 @@ class Question:
     target_timing: bool = False  # the targets' sample counts (TARGET_TIMING)
     python_cost: bool = False  # count the Python bytecodes of one step
     notes: Callable[[Context, argparse.Namespace], list[str]] = lambda ctx, args: []
+    # Run with a busy process per core (BUSY_TIMING, no op counts), then also(ctx)'s records.
+    busy: bool = False
+    also: Callable[[Context], list[Record]] | None = None
 
     def run(self, ctx: Context, plan: list[tuple[Workload, tuple[str, ...] | None]]) -> list:
+        timing = None
         if self.target_timing:
             timing = QUICK_TARGET_TIMING if ctx.quick else TARGET_TIMING
-            ctx = dataclasses.replace(ctx, timing=dataclasses.replace(timing, mode=ctx.timing.mode))
+        if self.busy:
+            timing = QUICK_BUSY_TIMING if ctx.quick else BUSY_TIMING
+        if timing is not None and (ctx.timing.mode != "auto" or not self.busy):
+            timing = dataclasses.replace(timing, mode=ctx.timing.mode)
+        if timing is not None:
+            ctx = dataclasses.replace(ctx, timing=timing, profile=ctx.profile and not self.busy)
+        if self.busy:
+            ctx = dataclasses.replace(ctx, restore_on_one_thread=True)
         records: list[Record] = []
-        for w, names in plan:
-            methods = None
-            if names is not None:
-                methods = [METHODS[n] for n in names if METHODS[n].present(ctx.device)]
-            records += run_workload(ctx, self.name, w, methods, self.python_cost)
-            ctx.tick()
+        with _busy(ctx, self.name) if self.busy else contextlib.nullcontext():
+            for w, names in plan:
+                methods = None
+                if names is not None:
+                    methods = [METHODS[n] for n in names if METHODS[n].present(ctx.device)]
+                records += run_workload(ctx, self.name, w, methods, self.python_cost)
+                ctx.tick()
+            if self.also is not None and plan:
+                records += self.also(dataclasses.replace(ctx, progress=None))  # (untracked)
         return records
 
 
@@ -228,6 +252,88 @@ def _clip_plan(ctx: Context, args: argparse.Namespace) -> list:
     return [(w, CLIP_METHODS) for w in sets]
 
 
+# --------------------------------------------------------------------------- busy
+# (what is compared, ampfused's method, torch's way): the passes whose CPU path splits work
+# across threads, each against what a torch user runs instead.
+BUSY_PAIRS = (
+    ("unscale", "ampfused", "torch"),
+    ("layer norms", "ampfused-norms", "torch-norms"),
+    ("clip", "ampfused-clip", "torch-clip"),
+    ("masters", "ampfused-masters", "torch-masters"),
+    ("tracing", "traced", "item-hooks"),
+)
+X3000_16 = STEP_COST_SETS[0]
+
+
+def _busy_plan(ctx: Context, args: argparse.Namespace) -> list:
+    if ctx.device.type != "cpu":
+        return []  # (a notes entry says so)
+    plain = (X1000_1K, GPT2) if ctx.quick else (X3000_16, X1000_1K, GPT2, X4_16M)
+    out: list = [(w, ("ampfused", "ampfused-forkjoin", "torch")) for w in plain]
+    fused = ("ampfused-norms", "torch-norms", "ampfused-clip", "torch-clip")
+    out += [(w, fused) for w in (X1000_1K, GPT2)]
+    masters = ("ampfused-masters", "torch-masters")
+    return out + [(dataclasses.replace(w, dtype="fp16"), masters) for w in (X1000_1K, GPT2)]
+
+
+def _busy_tracing(ctx: Context) -> list[Record]:
+    return tracing.run(ctx, "busy", tracing.MODELS[:1])
+
+
+@contextlib.contextmanager
+def _busy(ctx: Context, question: str):  # noqa: ANN202
+    """A busy process per core for the block; a note says how many, the load they made and
+    how ampfused's CPU passes ran meanwhile."""
+    before = torch.ops.ampfused._cpu_split_stats() if _has_split_stats() else None
+    with busy_cores() as n:
+        yield
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    note = f"{question}: {n} busy processes (one per core) ran beside every step"
+    if load is not None:
+        note += f"; 1-minute load average at the end {load:.1f}"
+    if before is not None:
+        after = torch.ops.ampfused._cpu_split_stats()
+        split, kept = after[0] - before[0], after[1] - before[1]
+        note += (
+            f"; ampfused's CPU passes over 256 KB: {split} split across threads, {kept} kept on "
+            "the calling thread (csrc/cpu/parallel.h)"
+        )
+    ctx.notes.append(note)
+
+
+def _has_split_stats() -> bool:
+    try:
+        torch.ops.ampfused._cpu_split_stats  # noqa: B018 - a lookup that raises when absent
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _busy_table(records: list[Record], tablefmt: str = "simple") -> str:
+    """One row per (compared pass, gradient set): ampfused's median step, torch's way's (the
+    pairs of BUSY_PAIRS), the ratio, and for the plain step ampfused splitting every pass."""
+    rows = []
+    for what, ours, theirs in BUSY_PAIRS:
+        by: dict[str, dict[str, Record]] = {}
+        for r in records:
+            if r.method in (ours, theirs, "ampfused-forkjoin") and r.ok:
+                by.setdefault(r.label, {})[r.method] = r
+        for label, got in by.items():
+            a, t = got.get(ours), got.get(theirs)
+            if a is None and t is None:
+                continue
+            ratio = fmt_x(t.median_s / a.median_s) if a is not None and t is not None else "-"
+            fork = got.get("ampfused-forkjoin") if ours == "ampfused" else None
+            rows.append(
+                [what, label, fmt_time(a.median_s if a else None),
+                 fmt_time(t.median_s if t else None), ratio,
+                 fmt_time(fork.median_s if fork else None)]
+            )  # fmt: skip
+    headers = ["pass", "gradients", "ampfused", "torch's way", "torch's way / ampfused"]
+    headers.append("ampfused, every pass split (before)")
+    return grid(rows, headers, tablefmt)
+
+
 def _models_plan(ctx: Context, args: argparse.Namespace) -> list:
     return [(w, None) for w in _models(ctx, args)[0]]
 
@@ -242,6 +348,9 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
     Question("masters", "float16 model, float32 masters: MasterWeights vs the recipe by hand",
              lambda ctx, args: [(w, MASTERS_METHODS) for w in MASTERS_SETS],
              _fused_table(MASTERS_METHODS), target_timing=True),
+    Question("busy", "Under load: a busy process per core, as dataloader workers are",
+             _busy_plan, _busy_table, busy=True, also=_busy_tracing,
+             notes=lambda ctx, args: [] if ctx.device.type == "cpu" else ["busy: CPU only"]),
     Question("models", "Model gradient sets", _models_plan,
              notes=lambda ctx, args: _models(ctx, args)[1]),
     Question("counts", "Tensor-count sweep", _counts_plan),

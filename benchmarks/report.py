@@ -263,6 +263,7 @@ PAIRS = (
     ("ampfused-masters", "torch-masters"),
     ("ampfused-dist", "torch-dist"),
     ("ampfused-fsdp2", "torch-fsdp2"),
+    ("traced", "item-hooks"),
 )
 
 

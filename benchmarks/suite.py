@@ -33,6 +33,7 @@ class Context:
     profile: bool = True
     progress: Any = None  # a tqdm bar, advanced once per workload
     notes: list[str] = field(default_factory=list)
+    restore_on_one_thread: bool = False  # GradSet.restore_on_one_thread
 
     def tick(self, n: int = 1) -> None:
         if self.progress is not None:
@@ -175,6 +176,7 @@ def run_workload(
         return list(records.values())
 
     gs = build(w, ctx.device)
+    gs.restore_on_one_thread = ctx.restore_on_one_thread
     runners, status = make_runners(gs, methods, ctx.quick)
     for name, (st, note) in status.items():
         records[name].status, records[name].note = st, note

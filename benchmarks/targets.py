@@ -73,6 +73,8 @@ def cpu_targets(records: list[Record], questions: list[str]) -> list[TargetResul
         out += diagnostics_targets(records)
     if "clip" in questions:
         out.append(clip_target(records))
+    if "busy" in questions:
+        out.append(busy_target(records))
     if out and records:
         out.append(never_slower(records, "(info) never slower than torch"))
     return out
@@ -142,6 +144,32 @@ def clip_target(records: list[Record]) -> TargetResult:
         res.detail = f"fused {_ms(clip)}, torch's pair {_ms(pair)}"
         if floor is not None:
             res.detail += f"; fused / floor {_x(clip, floor):.2f}x (ideal 1.5x)"
+    return res
+
+
+def busy_target(records: list[Record]) -> TargetResult:
+    """Under load (a busy process per core), each pass not slower than torch's way on any
+    gradient set: slower means its first quartile above the other's third."""
+    req = (
+        "with a busy process per core, every pass (unscale, per-layer norms, clip, masters, "
+        "traced activations) not slower than torch's way"
+    )
+    res = TargetResult("under load", req, detail="no pair ran")
+    pairs = []
+    for what, ours, theirs in qs.BUSY_PAIRS:
+        by: dict[str, dict[str, Record]] = {}
+        for r in records:
+            if r.question == "busy" and r.method in (ours, theirs) and r.ok:
+                by.setdefault(r.label, {})[r.method] = r
+        pairs += [(what, k, v[ours], v[theirs]) for k, v in by.items() if len(v) == 2]
+    if not pairs:
+        return res
+    bad = [f"{what} {label}" for what, label, a, t in pairs if a.q1_s > t.q3_s]
+    worst = min(_x(t, a) for _, _, a, t in pairs)
+    res.value, res.passed = f"{len(bad)} slower", not bad
+    res.detail = f"{len(pairs)} pass x gradient pairs; lowest torch's way / ampfused {worst:.2f}x"
+    if bad:
+        res.detail += "; slower on: " + ", ".join(bad[:6])
     return res
 
 

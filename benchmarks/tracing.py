@@ -95,14 +95,15 @@ def _time(step: Callable[[], None], n: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / n
 
 
-def run(ctx: Context) -> list[Record]:
+def run(ctx: Context, question: str = "tracing", models: tuple = MODELS) -> list[Record]:
+    """The tracing question's records (``question`` names them; ``models``: of MODELS)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
-        ctx.notes.append("tracing: skipped (transformers is not installed)")
+        ctx.notes.append(f"{question}: tracing skipped (transformers is not installed)")
         return []
     records = []
-    for name, config, batch, seq, n, rounds, in_quick in MODELS:
+    for name, config, batch, seq, n, rounds, in_quick in models:
         if ctx.quick and not in_quick:
             ctx.tick()
             continue
@@ -122,7 +123,7 @@ def run(ctx: Context) -> list[Record]:
             q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
             records.append(
                 Record(
-                    "tracing",
+                    question,
                     name,
                     "model",
                     "fp16 autocast",

@@ -221,14 +221,25 @@ class GradSet:
     reallocs: int = 0  # realloc restores so far
     pointer_changes: int = 0  # of those after the first, how many changed the pointer list
     _last_pointers: tuple[int, ...] | None = None
+    # The restore on the calling thread alone (the busy question): a copy that splits across the
+    # pool would start its threads for the timed step, which a training step's own parallel
+    # regions do not always do.
+    restore_on_one_thread: bool = False
 
     def restore(self) -> None:
         """The pristine scaled gradients back, untimed (realloc: in new tensors)."""
-        if self.workload.realloc:
-            self._realloc()
-            return
-        for dt, flat in self.flats.items():
-            flat.copy_(self.pristine[dt])
+        threads = torch.get_num_threads()
+        if self.restore_on_one_thread and threads > 1:
+            torch.set_num_threads(1)
+        try:
+            if self.workload.realloc:
+                self._realloc()
+                return
+            for dt, flat in self.flats.items():
+                flat.copy_(self.pristine[dt])
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     def _realloc(self) -> None:
         # zero_grad(set_to_none=True): the old gradients are released first ...

@@ -21,6 +21,7 @@ Which file holds what, from the top down (a module imports only modules below it
     reference            the ops' pure-PyTorch specification
     islands              keep_float32: chosen modules run in float32
     _compile             how the scaler's methods meet torch.compile
+    _arguments           what a user passed, named for errors; the not-an-optimizer refusal
     _torch_private       the private torch names relied on, and why
     _extension           where the kernels come from (_build_config, _build_check: the build)
 """

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ampfused import _C, _grad_pass, ops
-from ampfused._grad_pass import check_optimizer, flat_params, group_index, read_param_groups
+from ampfused._arguments import check_clip_optimizer
+from ampfused._grad_pass import flat_params, group_index, read_param_groups
 from ampfused._scale_state import READ_ONLY_PASS, unit_state
 from ampfused._torch_private import OptState
 from ampfused.master_weights import MasterWeights
@@ -31,12 +32,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     # torch.nn.utils.clip_grad_norm_ takes the parameters where this takes the optimizer: refused
     # before anything is read or recorded (the stage table is keyed by the argument's id).
-    check_optimizer(
-        optimizer,
-        "clip_grad_norm_(optimizer, max_norm)",
-        "the optimizer whose gradients to clip",
-        f"scaler.clip_grad_norm_(optimizer, {max_norm!r})",
-    )
+    check_clip_optimizer(optimizer, max_norm)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not scaler._enabled:
         if isinstance(optimizer, MasterWeights):

@@ -23,7 +23,6 @@ it (:mod:`ampfused._dist`).
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -66,37 +65,6 @@ def read_param_groups(optimizer: Any) -> list | tuple:
             f"{type(groups).__name__}"
         ) from e
     return list(iterator)
-
-
-def describe_argument(value: Any) -> str:
-    """What a user passed, for an error message: its kind, and the mix-up it most likely is
-    (``model.parameters()`` where an optimizer goes, an optimizer where a model goes)."""
-    if value is None:
-        return "None"
-    if isinstance(value, types.GeneratorType):
-        return "a generator (model.parameters()?)"
-    if isinstance(value, torch.nn.Module):
-        return f"a module ({type(value).__name__}: the model?)"
-    if hasattr(value, "param_groups"):
-        return f"an optimizer ({type(value).__name__})"
-    if isinstance(value, torch.Tensor):
-        return "a tensor"
-    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
-        return f"a {type(value).__name__} of tensors (the parameters?)"
-    name = type(value).__name__
-    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
-
-
-def check_optimizer(optimizer: Any, call: str, expected: str, fix: str) -> None:
-    """Refuses, as a TypeError saying what was given, an argument that is not an optimizer:
-    anything without ``param_groups`` (what the pass reads; a MasterWeights has them).  ``call``
-    is the signature the message starts with, ``expected`` what goes there, ``fix`` the call
-    corrected."""
-    if not hasattr(optimizer, "param_groups"):
-        raise TypeError(
-            f"{call}: expected {expected}, got {describe_argument(optimizer)}; pass the "
-            f"optimizer: {fix}"
-        )
 
 
 def flat_params(groups: Any) -> list:

@@ -18,6 +18,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ampfused import _dist
+from ampfused._arguments import check_clip_optimizer
 from ampfused._extension import unavailable
 
 __all__ = ["GradScaler", "MasterWeights", "OptState"]
@@ -122,6 +123,7 @@ class GradScaler(_Refusals, torch.amp.GradScaler):
     ) -> torch.Tensor:
         """``unscale_(optimizer)`` (unless done in this iteration), then torch's
         ``clip_grad_norm_`` over its parameters."""
+        check_clip_optimizer(optimizer, max_norm)
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is not (
             OptState.UNSCALED
         ):

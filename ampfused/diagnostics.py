@@ -19,14 +19,15 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ampfused import _C
-from ampfused._grad_pass import describe_argument, flat_params
+from ampfused._arguments import describe_argument
+from ampfused._grad_pass import flat_params
 from ampfused.activations import Row, Tracer
 
 __all__ = ["ActivationStats", "GradStats", "StepReport"]
@@ -789,8 +790,8 @@ def _caller_stacklevel() -> int:
 def _not_named(given: Any, detail: str = "") -> TypeError:
     """watch()'s refusal of an argument that names no parameters."""
     return TypeError(
-        "watch(model): expected the model whose parameters to name (a torch.nn.Module) or "
-        f"(name, parameter) pairs such as model.named_parameters(), got "
+        "watch(model): expected the model whose parameters to name (a torch.nn.Module), "
+        "(name, parameter) pairs such as model.named_parameters() or a dict of them, got "
         f"{describe_argument(given)}{detail}; pass the module that owns the optimizer's "
         "parameters: scaler.watch(model)"
     )
@@ -843,7 +844,9 @@ class Watch:
 
     def __init__(
         self,
-        parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        parameters: torch.nn.Module
+        | Mapping[str, torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]],
         log_skipped: Any,
         activations: Any = False,
     ) -> None:
@@ -853,6 +856,8 @@ class Watch:
             )
         if isinstance(parameters, torch.nn.Module):
             items = parameters.named_parameters()
+        elif isinstance(parameters, Mapping):  # dict(model.named_parameters()): name -> tensor
+            items = iter(parameters.items())
         else:  # (an optimizer is no iterable: refused here)
             try:
                 items = iter(parameters)

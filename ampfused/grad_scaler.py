@@ -36,7 +36,7 @@ import numbers
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -758,7 +758,9 @@ class GradScaler(torch.amp.GradScaler):
     @not_traced_eager
     def watch(
         self,
-        parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        parameters: torch.nn.Module
+        | Mapping[str, torch.Tensor]
+        | Iterable[tuple[str, torch.Tensor]],
         *,
         log_skipped: bool | str = False,
         activations: bool | Iterable[str | type] = False,
@@ -771,10 +773,11 @@ class GradScaler(torch.amp.GradScaler):
         device-to-host copy) and name each parameter.
 
         Args:
-            parameters: a module (its ``named_parameters()``) or ``(name, parameter)`` pairs,
-                named once; parameters of the optimizer not given here are reported as
-                ``"<param N>"``, and the first pass under this watch() that meets such
-                parameters with gradients says which, once, in a ``UserWarning``.
+            parameters: a module (its ``named_parameters()``), ``(name, parameter)`` pairs or
+                a mapping of them (``dict(model.named_parameters())``), named once;
+                parameters of the optimizer not given here are reported as ``"<param N>"``,
+                and the first pass under this watch() that meets such parameters with
+                gradients says which, once, in a ``UserWarning``.
             log_skipped: also report every skipped step: ``"log"`` (``logging`` warning on the
                 ``"ampfused"`` logger), ``"warn"`` (``warnings.warn``) or False.  Either costs a
                 sync in every :meth:`update` (to learn whether the step was skipped).

@@ -267,7 +267,7 @@ def test_watch_refuses_an_optimizer_and_unnamed_parameters() -> None:
     model, opt, scaler = _setup("cpu")
     kept = scaler._watch
     pairs = nn.Linear(3, 2)  # a 2-row weight unpacks into a "pair" of rows
-    head = "watch(model): expected the model whose parameters to name (a torch.nn.Module) or "
+    head = "watch(model): expected the model whose parameters to name (a torch.nn.Module), "
     fix = "; pass the module that owns the optimizer's parameters: scaler.watch(model)"
     wrong = {
         "the optimizer": (lambda: scaler.watch(opt), "got an optimizer (Adam)"),
@@ -298,6 +298,7 @@ def test_watch_refuses_an_optimizer_and_unnamed_parameters() -> None:
         model.named_parameters(),
         list(model.named_parameters()),
         dict(model.named_parameters()).items(),
+        dict(model.named_parameters()),
         [("w", model.embed.weight)],
         [],
     ):

@@ -151,6 +151,14 @@ scaler.unscale_(opt)
 before = [p.grad.clone() for p in model.parameters()]
 norm = scaler.clip_grad_norm_(opt, 1e9)
 assert torch.equal(norm, torch.nn.utils.get_total_norm(before))
+# torch's clip_grad_norm_ signature (the parameters) is refused as with the kernels
+try:
+    scaler.clip_grad_norm_(model.parameters(), 1.0)
+except TypeError as e:
+    assert "got a generator (model.parameters()?)" in str(e), str(e)
+    assert str(e).endswith("scaler.clip_grad_norm_(optimizer, 1.0)"), str(e)
+else:
+    raise AssertionError("clip_grad_norm_ took the parameters")
 # a checkpoint holding a scale policy is refused, one with torch's rule loads
 state = dict(scaler.state_dict(), ampfused={"min_scale": 1.0, "hysteresis": 1})
 try:

@@ -119,34 +119,33 @@ def test_late_thread_keeps_small_passes_on_the_calling_thread() -> None:
     calling thread (its saving, tens of microseconds, is below the expected wait), and once
     the measurement has faded the passes split again."""
     grads = _grads(2)
-    CONFIG("auto", 50_000_000, True)
+    _plain(grads)  # the first split (the pool's start is its own cost: not measured)
+    assert STATS()[:3] == (1, 0, 0.0)
+    CONFIG("auto", 50_000_000, False)
     _plain(grads)
     split, kept, late_ns, ns_per_byte = STATS()
-    assert (split, kept) == (1, 0)
+    assert (split, kept) == (2, 0)
     assert late_ns >= 50e6 / 32 * 0.9  # (the wait weighs 1/32 of the running mean)
     assert ns_per_byte > 0.0
     CONFIG("auto", 0, False)  # the thread is prompt again; the measurement stays
     for _ in range(3):
         _plain(grads)
-    assert STATS()[:2] == (1, 3)
+    assert STATS()[:2] == (2, 3)
 
     TUNE(1e5)  # the wait fades in 0.1 ms instead of a second
     time.sleep(0.02)
-    for _ in range(3):
-        _plain(grads)
-    split, kept = STATS()[:2]
-    assert (split, kept) == (4, 3)
+    _plain(grads)
+    assert STATS()[:2] == (3, 3)  # (what later splits measure is this machine's to say)
 
 
 def test_prompt_threads_keep_splitting() -> None:
-    """Without a late thread every pass over 256 KB splits: the measurement alone (a few
-    microseconds of waiting) never sends one to the calling thread."""
-    grads = _grads(3)
+    """Without a late thread a large pass keeps splitting: its saving (about a millisecond for
+    32 MB here) is far above the waits of prompt threads, a stray hiccup included."""
+    grads = [torch.randn(8 << 20)]
     for _ in range(20):
         _plain(grads)
     split, kept, late_ns, _ = STATS()
-    assert (split, kept) == (20, 0)
-    assert late_ns < 1e6
+    assert split + kept == 20 and split >= 15, (split, kept, late_ns)
 
 
 def test_small_passes_are_not_split() -> None:

@@ -4,6 +4,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -33,6 +34,9 @@ bool SplitGate::pays(int64_t bytes, int threads, int64_t now) const {
 void SplitGate::take_rate(double measured) {
   if (!(measured > 0.0) || !std::isfinite(measured)) return;
   const double old = ns_per_byte_.load(std::memory_order_relaxed);
+  // A pass the OS preempted for a time slice reads 100x slow: one such sample moves the rate
+  // by at most 3/8 (a lasting change still takes over within a few passes).
+  measured = std::min(measured, 4 * old);
   ns_per_byte_.store(old + (measured - old) / 8, std::memory_order_relaxed);
 }
 
@@ -58,7 +62,7 @@ void SplitGate::reset() {
   ns_per_byte_.store(0.05, std::memory_order_relaxed);
   late_ns_.store(0.0, std::memory_order_relaxed);
   late_at_.store(0, std::memory_order_relaxed);
-  last_inline_.store(false, std::memory_order_relaxed);
+  last_inline_.store(true, std::memory_order_relaxed);
   split_passes.store(0, std::memory_order_relaxed);
   inline_passes.store(0, std::memory_order_relaxed);
 }

@@ -16,10 +16,10 @@
 // `late` is a running mean of the waits (kWaitWeight), halved every kLateHalfLifeNs: a busy
 // spell keeps small passes on the calling thread while large ones still split, one hiccup of an
 // idle machine moves little, and an idle machine is noticed again within seconds.  The first
-// split after passes kept on the calling thread is not measured (the pool may have gone to
-// sleep meanwhile; its wake is that split's cost only).  The measurements are per process,
-// shared by every pass; a race between two passes updating them loses a measurement, nothing
-// else.
+// split, and the first after passes kept on the calling thread, are not measured (the pool
+// may not exist yet or may have gone to sleep; its start is that split's cost only).  The
+// measurements are per process, shared by every pass; a race between two passes updating them loses
+// a measurement, nothing else.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -73,7 +73,7 @@ class SplitGate {
   std::atomic<double> ns_per_byte_{0.05};  // ~20 GB/s until a pass has been measured
   std::atomic<double> late_ns_{0.0};
   std::atomic<int64_t> late_at_{0};
-  std::atomic<bool> last_inline_{false};
+  std::atomic<bool> last_inline_{true};  // (before the first split the pool may not exist)
 };
 
 SplitGate& split_gate();

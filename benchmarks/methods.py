@@ -88,8 +88,9 @@ class ForkJoinRunner(ScalerRunner):
             torch.ops.ampfused._cpu_split_config("auto", 0, False)
 
 
-def _has_split_config(d: torch.device) -> bool:
-    return d.type == "cpu" and hasattr(torch.ops.ampfused, "_cpu_split_config")
+def has_split_ops() -> bool:
+    """Whether the build has the CPU split's private ops (csrc/cpu/parallel.cpp)."""
+    return hasattr(torch.ops.ampfused, "_cpu_split_config")
 
 
 def _names(gs: GradSet) -> list[str]:
@@ -386,7 +387,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("torch", "scaler", f"{_T}: the same calls", lambda gs: ScalerRunner(_torch_cls(gs), gs),
            _torch_na),
     Method("ampfused-forkjoin", "scaler", f"{_A}, every CPU pass split across threads (before)",
-           ForkJoinRunner, present=_has_split_config, default=False),
+           ForkJoinRunner, present=lambda d: d.type == "cpu" and has_split_ops(),
+           default=False),
     Method("ampfused-headroom", "scaler", f"{_A}(policy='headroom'): the magnitude measured too",
            lambda gs: ScalerRunner(functools.partial(_ampfused_cls(gs), policy="headroom"), gs),
            default=False),

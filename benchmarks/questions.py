@@ -15,7 +15,7 @@ import torch
 
 from benchmarks import distributed, tracing
 from benchmarks.env import busy_cores
-from benchmarks.methods import METHODS
+from benchmarks.methods import METHODS, has_split_ops
 from benchmarks.report import fmt_time, fmt_x, grid, host_device, joined, pivot, table
 from benchmarks.suite import Context, Record, run_workload
 from benchmarks.timing import TimingConfig
@@ -284,7 +284,7 @@ def _busy_tracing(ctx: Context) -> list[Record]:
 def _busy(ctx: Context, question: str):  # noqa: ANN202
     """A busy process per core for the block; a note says how many, the load they made and
     how ampfused's CPU passes ran meanwhile."""
-    before = torch.ops.ampfused._cpu_split_stats() if _has_split_stats() else None
+    before = torch.ops.ampfused._cpu_split_stats() if has_split_ops() else None
     with busy_cores() as n:
         yield
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -301,34 +301,32 @@ def _busy(ctx: Context, question: str):  # noqa: ANN202
     ctx.notes.append(note)
 
 
-def _has_split_stats() -> bool:
-    try:
-        torch.ops.ampfused._cpu_split_stats  # noqa: B018 - a lookup that raises when absent
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+def busy_pairs(records: list[Record]) -> list[tuple[str, str, Record | None, Record | None]]:
+    """(pass, gradient set, ampfused's record, torch's way's record) of every BUSY_PAIRS pair
+    that ran on a set, in BUSY_PAIRS order."""
+    out = []
+    for what, ours, theirs in BUSY_PAIRS:
+        by: dict[str, dict[str, Record]] = {}
+        for r in records:
+            if r.question == "busy" and r.method in (ours, theirs) and r.ok:
+                by.setdefault(r.label, {})[r.method] = r
+        out += [(what, label, got.get(ours), got.get(theirs)) for label, got in by.items()]
+    return out
 
 
 def _busy_table(records: list[Record], tablefmt: str = "simple") -> str:
     """One row per (compared pass, gradient set): ampfused's median step, torch's way's (the
     pairs of BUSY_PAIRS), the ratio, and for the plain step ampfused splitting every pass."""
+    forks = {r.label: r for r in records if r.method == "ampfused-forkjoin" and r.ok}
     rows = []
-    for what, ours, theirs in BUSY_PAIRS:
-        by: dict[str, dict[str, Record]] = {}
-        for r in records:
-            if r.method in (ours, theirs, "ampfused-forkjoin") and r.ok:
-                by.setdefault(r.label, {})[r.method] = r
-        for label, got in by.items():
-            a, t = got.get(ours), got.get(theirs)
-            if a is None and t is None:
-                continue
-            ratio = fmt_x(t.median_s / a.median_s) if a is not None and t is not None else "-"
-            fork = got.get("ampfused-forkjoin") if ours == "ampfused" else None
-            rows.append(
-                [what, label, fmt_time(a.median_s if a else None),
-                 fmt_time(t.median_s if t else None), ratio,
-                 fmt_time(fork.median_s if fork else None)]
-            )  # fmt: skip
+    for what, label, a, t in busy_pairs(records):
+        ratio = fmt_x(t.median_s / a.median_s) if a is not None and t is not None else "-"
+        fork = forks.get(label) if what == BUSY_PAIRS[0][0] else None
+        rows.append(
+            [what, label, fmt_time(a.median_s if a else None),
+             fmt_time(t.median_s if t else None), ratio,
+             fmt_time(fork.median_s if fork else None)]
+        )  # fmt: skip
     headers = ["pass", "gradients", "ampfused", "torch's way", "torch's way / ampfused"]
     headers.append("ampfused, every pass split (before)")
     return grid(rows, headers, tablefmt)

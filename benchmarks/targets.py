@@ -155,13 +155,7 @@ def busy_target(records: list[Record]) -> TargetResult:
         "traced activations) not slower than torch's way"
     )
     res = TargetResult("under load", req, detail="no pair ran")
-    pairs = []
-    for what, ours, theirs in qs.BUSY_PAIRS:
-        by: dict[str, dict[str, Record]] = {}
-        for r in records:
-            if r.question == "busy" and r.method in (ours, theirs) and r.ok:
-                by.setdefault(r.label, {})[r.method] = r
-        pairs += [(what, k, v[ours], v[theirs]) for k, v in by.items() if len(v) == 2]
+    pairs = [(w, k, a, t) for w, k, a, t in qs.busy_pairs(records) if a and t]
     if not pairs:
         return res
     bad = [f"{what} {label}" for what, label, a, t in pairs if a.q1_s > t.q3_s]

@@ -29,7 +29,19 @@ Which file holds what, from the top down (a module imports only modules below it
 # The package's version, in one place: pyproject.toml's metadata reads it from here.
 __version__ = "0.1.0"
 
-import torch  # noqa: F401  (loads libtorch before the extension)
+import sys
+
+try:
+    import torch  # noqa: F401  (loads libtorch before the extension)
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise  # torch is there, and something it imports is not: torch's own error says what
+    raise ModuleNotFoundError(
+        f"ampfused needs PyTorch, and this Python ({sys.executable}) has none: install torch "
+        "(2.11 to 2.14) first, with `pip install torch` or the command for your CUDA version "
+        "from https://pytorch.org/get-started/locally/, then import ampfused again.",
+        name="torch",
+    ) from None
 
 from ampfused import _extension
 from ampfused._extension import KernelsUnavailableError, KernelsUnavailableWarning

@@ -10,6 +10,7 @@ build cache's protocol is driven with a stand-in for the compiler.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 
 import pytest
 import torch
@@ -290,6 +292,7 @@ open(os.path.join(cache, f"arrived-{os.getpid()}"), "w").close()
 def fake_compile(csrc, build_dir, with_cuda, arch_list):
     with open(calls, "a") as f:
         f.write("x")
+    open(os.path.join(build_dir, "one.o"), "w").close()  # a step done: the progress says so
     # hold the lock until every peer has arrived (and had a moment to reach the lock)
     deadline = time.time() + 60
     while len([n for n in os.listdir(cache) if n.startswith("arrived-")]) < peers:
@@ -352,6 +355,10 @@ def test_cache_one_process_builds_the_others_wait_then_hits(tmp_path):
     assert text.count("compiling the kernels") == 1 and text.count("waiting for another") == 1
     origins = sorted(r.stdout.split("RESULT ")[1].split()[-1] for r in results)
     assert origins == ["cache", "compiled"], text
+    (builder,) = [r.stderr for r in results if r.stdout.endswith("compiled\n")]
+    assert "ampfused: compiling, 1 of " in builder and "ampfused: compiled in 0:0" in builder
+    (record,) = (tmp_path / "cache").glob(f"*/{_build_config.RECORD_NAME}")
+    assert json.loads(record.read_text())["compile_cpu_seconds"] >= 0
     # a later import: a hit, without the lock or any tool
     (hit,) = cache_children(tmp_path, "fail", 1)
     assert compiles(tmp_path) == 1 and "RESULT loaded" in hit.stdout, hit.stdout + hit.stderr
@@ -423,3 +430,145 @@ def test_arch_list_check(arch_list, ok):
     assert (problem is None) == ok, problem
     if not ok:
         assert "6.1" in problem and "AMPFUSED_NO_CUDA=1" in problem
+
+
+# --------------------------------------------------------------------------------------------
+# The first import's compile: the estimate it announces, the progress it shows
+
+
+def estimate(monkeypatch, cores: int, load: float, max_jobs: str | None = None, cuda_archs=0):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    if max_jobs is None:
+        monkeypatch.delenv("MAX_JOBS", raising=False)
+    else:
+        monkeypatch.setenv("MAX_JOBS", max_jobs)
+    return _extension._compile_estimate(cuda_archs > 0, cuda_archs, steps=16)
+
+
+def test_compile_estimate_shares_the_cores_with_the_load(monkeypatch):
+    """Idle, the compilers get the cores (ninja runs 3 at once on 2); beside other work, their
+    fair share of them, under one core once the load passes the cores, so the estimate keeps
+    growing with the load and never says "1 cores"."""
+    idle = estimate(monkeypatch, cores=2, load=0.0)
+    assert idle.share == 2 and idle.minutes == pytest.approx(_extension._CPU_CORE_MINUTES / 2)
+    assert idle.text() == f"about 2 min ({_extension._CPU_CORE_MINUTES:g} CPU-minutes over 2 cores)"
+    half = estimate(monkeypatch, cores=2, load=1.0)
+    assert half.share == pytest.approx(1.5)  # 3 compilers and 1 other process on 2 cores
+    loaded = [estimate(monkeypatch, cores=2, load=load) for load in (3.0, 4.0, 6.0)]
+    assert [e.share for e in loaded] == pytest.approx([1.0, 6 / 7, 2 / 3])
+    assert loaded[0].minutes < loaded[1].minutes < loaded[2].minutes
+    text = loaded[1].text()
+    assert text.startswith("about 4 min (3.5 CPU-minutes; beside a load average of 4.0 on 2 ")
+    assert text.endswith("it gets 0.9 of a core)"), text
+    assert "1 cores" not in loaded[0].text() and "it gets 1 core)" in loaded[0].text()
+    # MAX_JOBS caps the compilers; a bad value is ninja's to refuse, the default stands here
+    assert estimate(monkeypatch, cores=8, load=0.0, max_jobs="1").text().endswith("over 1 core)")
+    assert estimate(monkeypatch, cores=2, load=0.0, max_jobs="many").share == 2
+    assert estimate(monkeypatch, cores=2, load=0.0, cuda_archs=2).cpu_minutes == pytest.approx(
+        _extension._CPU_CORE_MINUTES + 2 * _extension._CUDA_CORE_MINUTES_PER_ARCH
+    )
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def touch(path, age: float = 0.0) -> None:
+    path.write_text("")
+    if age:
+        os.utime(path, (time.time() - age, time.time() - age))
+
+
+def test_compile_progress_counts_the_steps_written(tmp_path):
+    """Without a compiler: object files appear in the build folder and the reporter's thread
+    says so, a line per finished step (not a terminal), each counting the steps written since
+    the build began; an object left from an earlier build does not count."""
+    touch(tmp_path / "stale.o", age=3600)
+    out = io.StringIO()
+    with _extension._Progress(str(tmp_path), 4, 240.0, stream=out, interval=0.01):
+        for name in ("a.o", "b.cuda.o", "_C.so"):
+            before = out.getvalue().count("\n")
+            touch(tmp_path / name)
+            deadline = time.time() + 10
+            while out.getvalue().count("\n") == before and time.time() < deadline:
+                time.sleep(0.01)
+    lines = out.getvalue().splitlines()
+    assert [int(line.split(", ")[1].split()[0]) for line in lines] == [1, 2, 3], lines
+    assert lines[0].startswith("ampfused: compiling, 1 of 4 steps done, 0:0"), lines
+    assert lines[0].endswith("so far (about 4 min expected)"), lines
+
+
+def test_compile_progress_heartbeat_and_terminal(tmp_path):
+    """With no step finishing, a line every heartbeat (a log shows the build alive); on a
+    terminal, one line rewritten in place and ended when the build ends."""
+    log = _extension._Progress(str(tmp_path), 3, 60.0, stream=io.StringIO(), heartbeat=30.0)
+    log.last_done, log.last_line = 0, log.began
+    log.tick(now=log.began + 10)
+    assert log.stream.getvalue() == ""
+    log.tick(now=log.began + 31)
+    assert log.stream.getvalue() == "ampfused: compiling, 0 of 3 steps done, 0:31 so far " + (
+        "(about 1 min expected)\n"
+    )
+    with _extension._Progress(str(tmp_path), 3, 60.0, stream=Terminal(), interval=3600) as tty:
+        tty.tick(now=tty.began + 65)
+        touch(tmp_path / "a.o")
+        tty.tick(now=tty.began + 66)
+    text = tty.stream.getvalue()
+    assert text.startswith("\rampfused: compiling, 0 of 3 steps done, 1:05 so far"), repr(text)
+    assert "\rampfused: compiling, 1 of 3 steps done, 1:06" in text and text.endswith("\x1b[K\n")
+    assert text.count("\n") == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Without torch: the error says what to install
+
+HIDE_TORCH = """
+import sys
+
+
+class HideTorch:
+    # A Python where torch is not installed: the import system's own error for a missing module.
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, HideTorch())
+"""
+
+
+@pytest.mark.parametrize("command", [["-c", "import ampfused"], ["-m", "ampfused"]])
+def test_without_torch_import_says_what_to_install(tmp_path, command):
+    (tmp_path / "sitecustomize.py").write_text(HIDE_TORCH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    proc = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, env=env, cwd=str(tmp_path)
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: ampfused needs PyTorch"), proc.stderr
+    assert "install torch (2.11 to 2.14) first, with `pip install torch`" in last, last
+    assert "pytorch.org/get-started" in last and sys.executable in last, last
+
+
+def test_cuda_build_of_torch_without_a_gpu_compiles_the_cpu_kernels(monkeypatch):
+    """The README's common case: a CUDA build of torch (PyPI's Linux wheels), a toolkit perhaps,
+    no GPU and no TORCH_CUDA_ARCH_LIST: the CPU kernels only, saying how to get the CUDA ones."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_extension, "_gpu_archs", lambda: [])
+    for name in ("TORCH_CUDA_ARCH_LIST", "AMPFUSED_NO_CUDA"):
+        monkeypatch.delenv(name, raising=False)
+    with_cuda, arch_list, why = _extension._cuda_plan()
+    assert (with_cuda, arch_list) == (False, None)
+    assert why.startswith(
+        "no GPU of compute capability 7.0+ visible and TORCH_CUDA_ARCH_LIST unset"
+    )
+    assert "set it, e.g. to 9.0" in why
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert _extension._cuda_plan() == (True, "9.0", None)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(_extension, "_gpu_archs", lambda: ["6.1", "8.0"])  # a display GPU too
+    assert _extension._cuda_plan() == (True, "8.0", None)

@@ -388,7 +388,10 @@ def update_state(
       already was above (a clean iteration never lowers the scale).
     * headroom > 0, the headroom policy: ``magnitude`` is the largest finite |scaled gradient| the
       iteration measured (0: none).  The iteration's entry of the history (slot steps % HISTORY)
-      is, after an overflow, the scale it backed off to; after a clean iteration the cap
+      is, after an overflow, the scale it backed off to (+inf where the history's other entries
+      hold no cap: nothing was measured lately, as before the first measured step, so the
+      overflow says nothing about the level the measurements will find); after a clean
+      iteration the cap
       ``HALF_MAX * scale / (headroom * magnitude)`` (float64, rounded to float32, at most
       float32's largest finite value; +inf where nothing was measured).  A clean iteration then
       moves the scale to the lowest cap of the history: up by growth_factor as many times as it
@@ -401,7 +404,9 @@ def update_state(
       below CEILING_WINDOW, or while there is a ceiling, makes its scale the ceiling (if lower),
       and the scale is then held at most ceiling * backoff_factor; every growth_interval clean
       iterations after a backoff the ceiling is multiplied by growth_factor (a probe, as torch's
-      rule grows).  The tracker counts clean iterations since the last overflow.
+      rule grows).  A clean iteration that measures while the history's other entries hold no
+      cap forgets the ceiling and the backoff first (both learned from overflows of gradients
+      that were not measured).  The tracker counts clean iterations since the last overflow.
 
     min_scale and max_scale are compared in float32, as the kernels hold them.  The counters
     (int32, wrapping): steps +1 every iteration; skipped_steps +1 and consecutive_skips +1 when
@@ -419,6 +424,9 @@ def update_state(
     new_scale, floor_hit = scale, False
     slot = (steps % 2**32) % HISTORY
     cap = math.inf
+    # Whether the history holds a cap (this slot's, the oldest, aside).  An overflow while none is
+    # held (a NaN in the first step) says nothing about the level the measurements will find.
+    measured = any(math.isfinite(h) for j, h in enumerate(history) if j != slot)
     if found:
         magnitude = math.inf
         tracker = 0
@@ -431,16 +439,18 @@ def update_state(
                 if since_backoff < CEILING_WINDOW or math.isfinite(ceiling):
                     ceiling = min(ceiling, scale)
                 since_backoff = 0
-        cap = new_scale
+        cap = new_scale if measured else math.inf
     else:
         left = hysteresis
         tracker = _wrap32(tracker + 1)
         allowed = math.inf
         if headroom > 0:
+            cap = _headroom_cap(scale, magnitude, headroom)
+            if not measured and math.isfinite(cap):  # the first measurement after none
+                ceiling, since_backoff = math.inf, _INT32_MAX
             since_backoff = min(since_backoff + 1, _INT32_MAX)
             if growth_interval > 0 and since_backoff % growth_interval == 0:
                 ceiling = _f32(ceiling * growth_factor)  # a probe
-            cap = _headroom_cap(scale, magnitude, headroom)
             allowed = min([cap, _f32(ceiling * backoff_factor)])
             allowed = min([allowed] + [h for j, h in enumerate(history) if j != slot])
         if headroom > 0 and math.isfinite(allowed):

@@ -677,18 +677,19 @@ AMPFUSED_INLINE float headroom_move(float scale, float allowed, const ScalePolic
 //
 // The headroom policy (p.headroom > 0, with counters): an overflow backs off as above, and its
 // history entry is the scale it backed off to (the scale is held at or below it while the entry
-// is in the history); a clean iteration's entry is headroom_cap of its measured magnitude, and
-// the scale moves to the lowest cap of the history (headroom_move), growing as soon as every
-// recent iteration leaves room and lowering, with no overflow needed, when one leaves none.
-// An overflow that backs off within kCeilingWindow clean iterations of the last overflow that
-// backed off (the measured magnitudes miss what overflows at that scale: a spike does not come
-// twice in a row) makes its scale the ceiling: the scale stays at most the ceiling times
-// backoff_factor, and every growth_interval clean iterations after that backoff the ceiling rises
-// by growth_factor (a probe, as torch's rule grows).  Once there is a ceiling, any overflow that
-// backs off below it (a probe's) lowers it to its scale.  Where no entry of the history holds a cap
-// and there is no ceiling (nothing measured: no gradient was read, or all were zero), the scale
-// grows by growth_factor each clean iteration up to kBlindGrowthLimit, then by torch's rule.
-// Under the headroom policy the growth tracker counts clean iterations since the last overflow.
+// is in the history; where the history holds no cap, nothing: see `measured`); a clean
+// iteration's entry is headroom_cap of its measured magnitude, and the scale moves to the lowest
+// cap of the history (headroom_move), growing as soon as every recent iteration leaves room and
+// lowering, with no overflow needed, when one leaves none. An overflow that backs off within
+// kCeilingWindow clean iterations of the last overflow that backed off (the measured magnitudes
+// miss what overflows at that scale: a spike does not come twice in a row) makes its scale the
+// ceiling: the scale stays at most the ceiling times backoff_factor, and every growth_interval
+// clean iterations after that backoff the ceiling rises by growth_factor (a probe, as torch's rule
+// grows).  Once there is a ceiling, any overflow that backs off below it (a probe's) lowers it to
+// its scale.  Where no entry of the history holds a cap and there is no ceiling (nothing measured:
+// no gradient was read, or all were zero), the scale grows by growth_factor each clean iteration up
+// to kBlindGrowthLimit, then by torch's rule. Under the headroom policy the growth tracker counts
+// clean iterations since the last overflow.
 AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int32_t* counters,
                                         bool found, float magnitude, const ScalePolicy& p,
                                         float* out_scale, int32_t* out_tracker,
@@ -702,10 +703,20 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
   int slot = 0;
   float ceiling = __builtin_huge_valf();
   int32_t since_backoff = 0;
+  // Whether the history holds a cap (this slot's, the oldest, aside): something was measured in
+  // the last kHistory - 1 iterations.  An overflow while none is held (a NaN in the first step)
+  // says nothing about the level the measurements will find: it records no cap, and the first
+  // measured iteration after it forgets the ceiling and the backoff (see below).
+  bool measured = false;
   if (headroom) {
     slot = static_cast<int>(static_cast<uint32_t>(in(kStateSteps)) % kHistory);
     ceiling = bits_float(static_cast<uint32_t>(in(kStateCeiling)));
     since_backoff = in(kStateSinceBackoff);
+    for (int j = 0; j < kHistory; ++j) {
+      if (j != slot && !non_finite(bits_float(static_cast<uint32_t>(in(kStateHistory + j))))) {
+        measured = true;
+      }
+    }
   }
   if (found) {
     *out_tracker = 0;
@@ -724,17 +735,23 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
         since_backoff = 0;
       }
     }
-    cap = next;
+    if (measured) cap = next;
   } else {
     hysteresis_left = p.hysteresis;
     const int32_t successful = tracker + 1;
     float allowed = __builtin_huge_valf();
     if (headroom) {
+      cap = headroom_cap(scale, magnitude, p.headroom);
+      if (!measured && !non_finite(cap)) {
+        // The first measurement after none: a ceiling and backoff learned while nothing was
+        // measured (overflows of unread or all-zero gradients) do not bound what is now read.
+        ceiling = __builtin_huge_valf();
+        since_backoff = INT32_MAX;
+      }
       if (since_backoff < INT32_MAX) ++since_backoff;
       if (p.growth_interval > 0 && since_backoff % p.growth_interval == 0) {
         ceiling = static_cast<float>(static_cast<double>(ceiling) * p.growth_factor);  // a probe
       }
-      cap = headroom_cap(scale, magnitude, p.headroom);
       allowed = cap;
       for (int j = 0; j < kHistory; ++j) {
         const float h = bits_float(static_cast<uint32_t>(in(kStateHistory + j)));

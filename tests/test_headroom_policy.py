@@ -88,6 +88,10 @@ def broken(name: str) -> Rule:
             out[slot] = INF
         if name == "no ceiling":
             out[10] = INF
+        if name == "unmeasured overflow held" and found:  # (the first version's record)
+            out[slot] = out[0]
+        if name == "unmeasured ceiling kept" and not found and out[10] > before[10]:
+            out[10:12] = before[10], before[11] + 1  # (the first measurement forgets nothing)
         if name == "every overflow a ceiling" and found and out[0] < before[0]:
             out[10] = min(out[10], before[0])
         if name == "ceiling by the tracker" and found and out[0] < before[0]:
@@ -224,6 +228,27 @@ def check_unmeasured_overflow_is_learned(rule: Rule) -> None:
     assert len(later) <= (2000 - 100) // 500 + 1, later
 
 
+def check_unmeasured_overflow_holds_nothing(rule: Rule) -> None:
+    """A NaN in the very first iteration (or the first two), before anything was measured: the
+    scale backs off once and the step is skipped, but nothing holds it below where the first
+    measurements put it (a backed-off entry would hold half a scale, less than no scaling, for
+    HISTORY iterations), and no ceiling is set."""
+    base = noisy(1e-3, 6, spread=1.2)
+    _, _, clean_states = simulate(rule, base, 60)
+    for nans in ({0}, {0, 1}):
+
+        def need(t: int, nans: set = nans) -> float:
+            return INF if t in nans else base(t)
+
+        scales, skipped, states = simulate(rule, need, 60)
+        assert [t for t, s in enumerate(skipped) if s] == sorted(nans)
+        first_measured = max(nans) + 1
+        level = clean_states[first_measured][0]  # where the measurements put the scale
+        assert min(scales[first_measured + 1 : 40]) >= level, (nans, scales[:24], level)
+        # (two overflows in a row set a ceiling; the first measurement forgets it)
+        assert all(s[10] == INF for s in states[first_measured:]), [s[10] for s in states[:5]]
+
+
 # Each property and the broken rules it must catch.
 PROPERTIES = {
     check_never_grows_past_measured: ["one growth too many"],
@@ -232,6 +257,7 @@ PROPERTIES = {
     check_spike_costs_one_step: ["every overflow a ceiling", "no overflow record"],
     check_unmeasured_overflow_is_learned: ["no ceiling"],
     check_isolated_overflows_set_no_ceiling: ["ceiling by the tracker", "every overflow a ceiling"],
+    check_unmeasured_overflow_holds_nothing: ["unmeasured overflow held", "unmeasured ceiling kept"],
 }
 BROKEN_CASES = [(check, name) for check, names in PROPERTIES.items() for name in names]
 
@@ -588,7 +614,8 @@ def test_nothing_measured_starts_fast_then_follows_torchs_rule() -> None:
         state = want
         scales.append(state[0])
     assert scales[:17] == [2.0**k for k in range(1, 17)] + [2.0**16]
-    # the overflow backed off, its record holding the scale for the history's 16 iterations;
-    # then the fast start again, and torch's rule: a growth 50 clean steps after the overflow
-    assert scales[30:46] == [2.0**15] * 16 and scales[46] == 2.0**16
+    # the overflow backed off; with no cap in the history it holds nothing (it says nothing
+    # about a level that is not measured): the fast start again at once, then torch's rule, a
+    # growth 50 clean steps after the overflow
+    assert scales[30:32] == [2.0**15, 2.0**16]
     assert scales[79:81] == [2.0**16, 2.0**17]

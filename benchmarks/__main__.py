@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from benchmarks import compare, distributed, e2e, policy, report, tracing
 from benchmarks import targets as tg
@@ -57,6 +57,61 @@ results committed under benchmarks/results/ are written with --out on purpose:
   python -m benchmarks --out benchmarks/results/cpu
   python -m benchmarks --quick --out benchmarks/results/cpu/quick
 python -m benchmarks.compare OLD NEW lists the rows that got slower."""
+
+
+# What the suite uses where it is installed and does without: what a run loses without it.
+OPTIONAL = {
+    "matplotlib": "no plots (the tables only)",
+    "tqdm": "no progress bar (a line per question instead)",
+    "transformers": "the tracing question and the policy question's GPT-2 are skipped",
+}
+
+
+def missing_packages(questions: list[str], plots: bool) -> dict[str, str]:
+    """For each optional package this run would use and cannot import: a line saying what is
+    lost without it and how to install it."""
+    wanted = {
+        "matplotlib": plots,
+        "tqdm": True,
+        "transformers": bool({"tracing", "policy"} & set(questions)),
+    }
+    return {
+        name: f"{name} is not installed: {lost} (pip install {name})"
+        for name, lost in OPTIONAL.items()
+        if wanted[name] and importlib.util.find_spec(name) is None
+    }
+
+
+class LineProgress:
+    """The progress bar without tqdm: a line on stderr as each question starts."""
+
+    def __init__(self, total: int, disable: bool) -> None:
+        self.total, self.n, self.disable = total, 0, disable
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        pass
+
+    def set_description(self, text: str) -> None:
+        if not self.disable:
+            print(f"{text} ({self.n} of {self.total} done)", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, disable: bool) -> Any:
+    """tqdm's bar where tqdm is installed, else :class:`LineProgress`."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return LineProgress(total, disable)
+    return tqdm(total=total, unit="cfg", disable=disable, mininterval=0.5)
 
 
 def _csv(choices: tuple[str, ...] | list[str]):  # noqa: ANN202
@@ -196,6 +251,12 @@ def environment(args: argparse.Namespace, argv: list[str] | None) -> Run | None:
         if q in QUESTIONS:
             run.plan[q] = QUESTIONS[q].plan(ctx, args)
             run.notes += QUESTIONS[q].notes(ctx, args)
+    missing = missing_packages(run.questions, not args.no_plots)
+    for line in missing.values():
+        print(f"python -m benchmarks: {line}", file=sys.stderr, flush=True)
+    if "matplotlib" in missing:  # (the questions note what they skip for transformers)
+        args.no_plots = True
+        run.notes.append(missing["matplotlib"])
     return run
 
 
@@ -235,7 +296,7 @@ def run_questions(run: Run) -> None:
         flush=True,
     )
     t_start, run_share = time.perf_counter(), CpuShare().start()
-    bar = tqdm(total=total, unit="cfg", disable=run.args.no_progress, mininterval=0.5)
+    bar = progress_bar(total, run.args.no_progress)
     run.ctx.progress = bar
     for q in run.questions:
         bar.set_description(q)

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tabulate import tabulate
-
-from benchmarks.report import fmt_time
+from benchmarks.report import fmt_time, tabulate
 from benchmarks.suite import Record, derive
 
 NAME = "results.jsonl"
@@ -231,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in shown
         ]
         headers = ["question", "workload", "dtype", "method", "old", "new", "new/old", ""]
-        print(tabulate(body, headers=headers, disable_numparse=True))
+        print(tabulate(body, headers=headers))
     print(summary(rows, only_old, only_new))
     return 1 if any(r.flag and r.ampfused for r in rows) else 0
 

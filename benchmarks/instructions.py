@@ -240,9 +240,9 @@ def _window(counter, label: str, call: Callable[[], None]) -> tuple[int, dict[st
 
 # --------------------------------------------------------------------------- report
 def _grid(rows: list[list[str]], headers: list[str]) -> str:
-    from tabulate import tabulate
+    from benchmarks.report import tabulate
 
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    return tabulate(rows, headers=headers, tablefmt="github")
 
 
 def table(rows: list[Row], empty: float) -> str:

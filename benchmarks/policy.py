@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib.util
 import math
 import os
 import statistics
@@ -193,6 +194,7 @@ class Task:
     batch: Callable[[Any, Any], Any]  # (data, indices) -> batch
     loss: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
     divisor: float = 1.0
+    requires: str | None = None  # a package the model needs: without it the task is skipped
 
 
 # The language model
@@ -285,7 +287,7 @@ TASKS = (
         f"{LM_BATCH} x {LM_BLOCK} bytes, loss summed over tokens and gradients divided by their "
         "count after unscale_ (fairseq/metaseq), AdamW lr 2e-3",
         2e-3, False, _gpt2, stdlib_bytes, _lm_draw, _lm_batch, _lm_loss,
-        divisor=LM_BATCH * LM_BLOCK,
+        divisor=LM_BATCH * LM_BLOCK, requires="transformers",
     ),
     Task(
         "mlp-teacher",
@@ -607,6 +609,10 @@ def _run(ctx: Context, form: Form, tasks: Sequence[Task], policies: Sequence[Pol
         "runs": [],
     }
     for task in tasks:
+        if task.requires and importlib.util.find_spec(task.requires) is None:
+            ctx.notes.append(f"policy: {task.name} skipped ({task.requires} is not installed)")
+            ctx.tick(len(policies) + 1 + len(form.noise_seeds))
+            continue
         result["tasks"][task.name] = run_task(ctx, task, form, policies, available, result["runs"])
     return result
 

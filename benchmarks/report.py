@@ -8,10 +8,62 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tabulate import tabulate
-
 if TYPE_CHECKING:
     from benchmarks.suite import Record
+
+
+# --------------------------------------------------------------------------- tables
+TABLE_FORMATS = ("github", "simple")
+
+
+def tabulate(
+    rows: Sequence[Sequence[Any]], headers: Sequence[str], tablefmt: str = "simple"
+) -> str:
+    """A table as the tabulate package draws it with ``disable_numparse=True`` (cells
+    ``str()``-ed, stripped and left-aligned, None empty), in its "github" (results.md) or
+    "simple" (console) format: the suite needs no package for its tables, and a run's tables
+    are the same text whether tabulate is installed or not (benchmarks/tests/test_tables.py
+    holds the two to it).  Columns are as wide as their widest line, and at least their
+    header's plus 2; a newline in any cell or header makes the table multiline: each row as
+    many lines as its tallest cell, an all-empty row none."""
+    if tablefmt not in TABLE_FORMATS:
+        raise ValueError(f"tablefmt={tablefmt!r}: the suite draws {' or '.join(TABLE_FORMATS)}")
+    heads = [str(h) for h in headers]
+    body = [["" if c is None else str(c).strip() for c in row] for row in rows]
+    multiline = any("\n" in c for c in [*heads, *(c for row in body for c in row)])
+
+    def lines(cell: str) -> list[str]:
+        return cell.splitlines() if multiline else [cell]
+
+    def width(cell: str) -> int:
+        return max((len(x) for x in lines(cell)), default=0)
+
+    widths = [max([width(h) + 2, *(width(row[j]) for row in body)]) for j, h in enumerate(heads)]
+
+    def draw(row: list[str]) -> list[str]:
+        split = [lines(c) for c in row]
+        height = max(len(x) for x in split)
+        out = []
+        for k in range(height):
+            cells = [
+                (x[k] if k < len(x) else "").ljust(w) for x, w in zip(split, widths, strict=True)
+            ]
+            out.append(
+                "| " + " | ".join(cells) + " |"
+                if tablefmt == "github"
+                else "  ".join(cells).rstrip()
+            )
+        return out
+
+    rule = (
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+        if tablefmt == "github"
+        else "  ".join("-" * w for w in widths)
+    )
+    text = [*draw(heads), rule]
+    for row in body:
+        text += draw(row)
+    return "\n".join(text)
 
 
 # --------------------------------------------------------------------------- formats
@@ -88,7 +140,7 @@ def grid(rows: list[list[Any]], headers: list[str], tablefmt: str) -> str:
     the columns split into tables no wider than CONSOLE_WIDTH, each repeating the first column
     (rows then apart by a blank line where a cell took more than one line)."""
     if tablefmt == "github":
-        return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+        return tabulate(rows, headers=headers, tablefmt=tablefmt)
     text = [[str(c) for c in r] for r in rows]
     columns = list(zip(*text, strict=True)) if text else [()] * len(headers)
     natural = [max(map(len, c), default=0) for c in columns]
@@ -106,7 +158,7 @@ def grid(rows: list[list[Any]], headers: list[str], tablefmt: str) -> str:
             wrap[j], room = cells[j] + grow, room - grow
         heads = [_wrap(headers[j], _head_wrap(headers[j], wrap[j])) for j in part]
         body = [[_wrap(r[j], wrap[j]) for j in part] for r in text]
-        out = tabulate(body, headers=heads, tablefmt=tablefmt, disable_numparse=True)
+        out = tabulate(body, headers=heads, tablefmt=tablefmt)
         tables.append(_space_rows(out.split("\n"), heads, body))
     return "\n\n".join(tables)
 

@@ -470,6 +470,15 @@ def test_compile_estimate_shares_the_cores_with_the_load(monkeypatch):
     )
 
 
+def test_install_md_quotes_the_estimates_figures():
+    text = " ".join(open(os.path.join(ROOT, "docs", "install.md")).read().split())
+    quoted = (
+        f"{_extension._CPU_CORE_MINUTES:g} CPU-minutes for the CPU kernels and "
+        f"{_extension._CUDA_CORE_MINUTES_PER_ARCH:g} per CUDA arch"
+    )
+    assert quoted in text, quoted
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

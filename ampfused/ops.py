@@ -52,7 +52,7 @@ STATE_FIELDS = (
 STATE_SIZE = len(STATE_FIELDS)
 # grad_stats columns (StatField): a header row (scale in force, step, found), then one row per
 # CHUNK_SIZE elements of each gradient.
-STAT_FIELDS = ("sum_squares", "abs_max", "pos_inf", "neg_inf", "nan", "zeros")
+STAT_FIELDS = ("sum_squares", "abs_max", "pos_inf", "neg_inf", "nan", "zeros", "subnormal")
 CHUNK_SIZE = 65536
 
 

@@ -142,6 +142,8 @@ def unscale_update_scale_(
 # The per-gradient statistics of scaler_pass_ (csrc/unscale_math.h: StatField, the lane order).
 STAT_CHUNK = 65536  # elements per work item: one row of the table each
 STAT_THREADS = 512
+STAT_COLUMNS = 7  # (ampfused.ops.STAT_FIELDS)
+HALF_NORMAL = 2.0**-14  # float16's smallest normal: below it the subnormal column counts
 
 
 def _elements(g: Tensor) -> Tensor:
@@ -181,7 +183,7 @@ def grad_stats(grads: list[Tensor], inv_scale: float | Tensor, check_only: bool)
     """The item rows of scaler_pass_'s ``grad_stats`` table (the rows after the header), for the
     gradients as they are BEFORE the pass; the gradients are not modified.
 
-    Returns a float64 ``[sum(ceil(numel / 65536)), 6]`` tensor: for each gradient in order (zero-
+    Returns a float64 ``[sum(ceil(numel / 65536)), 7]`` tensor: for each gradient in order (zero-
     size ones have no rows), its elements in :func:`_elements` order cut into items of 65536,
     one row per item with the columns of ``ampfused.ops.STAT_FIELDS``:
 
@@ -198,6 +200,8 @@ def grad_stats(grads: list[Tensor], inv_scale: float | Tensor, check_only: bool)
     - abs_max: max |u| over the finite u (0.0 if none).
     - pos_inf, neg_inf, nan: counts of the INPUT elements v that are +inf, -inf, NaN.
     - zeros: count of u equal to zero (+0.0 or -0.0).
+    - subnormal: count of finite u with 0 < |u| < 2^-14, float16's smallest normal (in a
+      float16 gradient, its subnormals).
     """
     inv = float(inv_scale.item()) if isinstance(inv_scale, Tensor) else float(inv_scale)
     inv32 = torch.tensor(inv, dtype=torch.float32)
@@ -224,22 +228,23 @@ def grad_stats(grads: list[Tensor], inv_scale: float | Tensor, check_only: bool)
                     float(torch.isneginf(v).sum()),
                     float(torch.isnan(v).sum()),
                     float((u == 0).sum()),
+                    float(((u != 0) & (u.abs() < HALF_NORMAL)).sum()),
                 ]
             )
-    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, STAT_COLUMNS)
 
 
 def reduce_grad_stats(item_rows: Tensor, numels: list[int]) -> tuple[Tensor, float]:
     """Per-gradient statistics from the item rows (``table[1:]``) of gradients of ``numels``
     elements: per gradient, its ceil(numel / 65536) rows reduced in order - sum_squares summed
-    sequentially in float64, counts summed, abs_max the max - into a float64 ``[len(numels), 6]``
+    sequentially in float64, counts summed, abs_max the max - into a float64 ``[len(numels), 7]``
     tensor; and the total sum of squares over every row, in :func:`stat_total`'s order.
     A gradient's L2 norm is float32(sqrt(sum_squares))."""
-    out = torch.zeros(len(numels), 6, dtype=torch.float64)
+    out = torch.zeros(len(numels), STAT_COLUMNS, dtype=torch.float64)
     rows = item_rows.tolist()
     r = 0
     for i, n in enumerate(numels):
-        acc = [0.0] * 6
+        acc = [0.0] * STAT_COLUMNS
         for row in rows[r : r + -(-n // STAT_CHUNK)]:
             abs_max = max(acc[1], row[1])
             acc = [a + b for a, b in zip(acc, row, strict=True)]

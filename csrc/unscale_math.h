@@ -369,7 +369,7 @@ AMPFUSED_INLINE uint32_t stat_magnitude_bits(M abs_max, float scale) {
 // Per-gradient statistics (opt-in: scaler_pass_'s grad_stats), a float64 table of kStatFields
 // columns.  Row 0 is the pass header, then one row per work item of kChunkSize elements
 // (launch_table.h), the items of each gradient in order: ceil(numel / kChunkSize) rows each.
-constexpr int kStatFields = 6;
+constexpr int kStatFields = 7;
 enum StatField : int {
   kStatSumSquares = 0,  // sum of u*u over the item, u the unscaled value, in the lane order
   kStatAbsMax,          // max |u| over the finite u of the item (0 if none)
@@ -377,6 +377,9 @@ enum StatField : int {
   kStatNegInf,          // input elements that were -inf
   kStatNaN,             // input elements that were NaN
   kStatZeros,           // u that are exactly zero (+0 or -0)
+  // finite u with 0 < |u| < 2^-14, float16's smallest normal: in a float16 gradient its
+  // subnormals (kept with fewer than 11 significant bits; below 2^-24 a value is lost to zero)
+  kStatSubnormal,
 };
 enum StatHeader : int {
   kHeaderScale = 0,  // the scale in force during the pass
@@ -434,6 +437,7 @@ struct StatBits {
   using type = uint32_t;
   static constexpr uint32_t kSign = 0x80000000u;
   static constexpr uint32_t kInf = kFloatExpMask;
+  static constexpr uint32_t kHalfNormal = 0x38800000u;  // 2^-14
   static AMPFUSED_INLINE uint32_t of(float x) { return float_bits(x); }
   static AMPFUSED_INLINE float value(uint32_t b) { return bits_float(b); }
 };
@@ -442,6 +446,7 @@ struct StatBits<double> {
   using type = uint64_t;
   static constexpr uint64_t kSign = 0x8000000000000000ull;
   static constexpr uint64_t kInf = kDoubleExpMask;
+  static constexpr uint64_t kHalfNormal = 0x3f10000000000000ull;  // 2^-14
   static AMPFUSED_INLINE uint64_t of(double x) { return double_bits(x); }
   static AMPFUSED_INLINE double value(uint64_t b) {
 #if AMPFUSED_CUDA_INTRINSICS
@@ -463,12 +468,21 @@ struct StatCounts {
   B neg_inf = 0;
   B nan = 0;
   B zeros = 0;
+  B subnormal = 0;
   B abs_max_bits = 0;  // max |u| over the finite u, as bits
   B any_max_bits = 0;  // max |u| over all u, as bits (stat_visit without kCountInputs)
   AMPFUSED_INLINE bool found() const { return (pos_inf | neg_inf | nan) != 0; }
   // Whether some u since any_max_bits was zeroed was inf/NaN.
   AMPFUSED_INLINE bool any_non_finite_u() const { return any_max_bits >= StatBits<M>::kInf; }
 };
+
+// 1 if |u| (its bits, sign cleared) is in float16's subnormal range, 0 < |u| < 2^-14: one
+// unsigned compare (|u| = 0 wraps to the largest value).
+template <typename M>
+AMPFUSED_INLINE typename StatBits<M>::type stat_is_subnormal16(typename StatBits<M>::type ub) {
+  using B = typename StatBits<M>::type;
+  return static_cast<B>(ub - B{1}) < static_cast<B>(StatBits<M>::kHalfNormal - B{1});
+}
 
 // Counts v as an input element (+inf, -inf, NaN).
 template <typename M>
@@ -525,6 +539,7 @@ AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t
   lane = stat_add(lane, stat_mul(u, u));
   const B ub = SB::of(u) & ~SB::kSign;
   c.zeros += ub == 0;
+  c.subnormal += stat_is_subnormal16<M>(ub);
   stat_take_finite_abs(ub, c);
   if (!kCountInputs) c.any_max_bits = c.any_max_bits > ub ? c.any_max_bits : ub;
 }
@@ -580,6 +595,7 @@ AMPFUSED_INLINE void stat_write_row(double* row, M sum_squares, const StatCounts
   row[kStatNegInf] = static_cast<double>(c.neg_inf);
   row[kStatNaN] = static_cast<double>(c.nan);
   row[kStatZeros] = static_cast<double>(c.zeros);
+  row[kStatSubnormal] = static_cast<double>(c.subnormal);
 }
 
 // Everything one pass needs, as raw pointers on the pass's device: built by the op kernels

@@ -456,3 +456,49 @@ def test_island_by_type_and_nested_calls():
         model.conv1(torch.randn(1, 3, 4, 4))
         assert torch.is_autocast_enabled("cpu")  # restored after the island's call
     assert "conv1" in repr(island)
+
+
+# ------------------------------------------------------------------------------- underflow
+def test_report_counts_subnormal_activation_gradients() -> None:
+    """The pass counts, per traced module, the float16 output gradients in float16's subnormal
+    range (0 < |g| < 2**-14): the report's shares equal counts taken from the gradients
+    themselves (captured by hooks on the same outputs), per module and over the model, and
+    the module with the largest share is listed first."""
+    model = convnet(0)
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture(name: str):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            output.register_hook(lambda g: captured.__setitem__(name, g.detach().clone()))
+
+        return hook
+
+    for name in ("conv1", "conv2", "head"):
+        model.get_submodule(name).register_forward_hook(capture(name))
+    # scale 2**-6: the small float16 gradients of a tiny loss land in the subnormal range
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0**-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.watch(model, activations=True)
+    scaler.scale(convnet_loss(model, 1)).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.report()
+
+    def share(g: torch.Tensor) -> tuple[int, int]:
+        a = g.float().abs()
+        return int(((a > 0) & (a < 2.0**-14)).sum()), int((a > 0).sum())
+
+    rows = {a.module: a for a in report.activations if a.direction == "backward"}
+    total_sub = total_nonzero = 0
+    for name, g in captured.items():
+        assert g.dtype == torch.float16
+        sub, nonzero = share(g)
+        assert rows[name].subnormal == sub and rows[name].numel - rows[name].zeros == nonzero
+        total_sub, total_nonzero = total_sub + sub, total_nonzero + nonzero
+    assert total_sub > 0  # the test's premise: some gradients are subnormal
+    assert report.subnormal_share == total_sub / total_nonzero
+    shares = [a.subnormal_share for a in report.underflow]
+    assert shares == sorted(shares, reverse=True) and shares[0] > 0
+    worst = report.underflow[0]
+    assert f"{worst.module} output gradient: {worst.subnormal_share:.2%}" in str(report)
+    assert f"(subnormal): {total_sub / total_nonzero:.2%}" in str(report)

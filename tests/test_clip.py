@@ -46,7 +46,7 @@ from ampfused import ops, reference
 INF, NAN = math.inf, math.nan
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 FIELDS = len(ops.STAT_FIELDS)
-SUM_SQ, ABS_MAX, POS_INF, NEG_INF, NAN_COUNT, ZEROS = range(FIELDS)
+SUM_SQ, ABS_MAX, POS_INF, NEG_INF, NAN_COUNT, ZEROS, SUBNORMAL = range(FIELDS)
 
 
 # ------------------------------------------------------------------------------- comparison
@@ -89,7 +89,7 @@ def _table(n_rows: int, seed: int, device: str) -> torch.Tensor:
     the last bits)."""
     gen = torch.Generator().manual_seed(seed)
     t = torch.zeros(n_rows + 1, FIELDS, dtype=F64)
-    t[0] = torch.tensor([1024.0, 3.0, 0.0, 0.0, 0.0, 0.0])  # scale, steps, found (not read)
+    t[0] = torch.tensor([1024.0, 3.0] + [0.0] * (FIELDS - 2))  # scale, steps, found (not read)
     sums = torch.rand(n_rows, generator=gen, dtype=F64)
     sums = sums * torch.exp2(torch.randint(-4, 4, (n_rows,), generator=gen).double())
     t[1:, SUM_SQ] = sums
@@ -312,16 +312,28 @@ def _sparse_table(device: str) -> torch.Tensor:
 
 
 # Bad arguments: argument -> [(id, replacement made on the test's device, exception, message)].
-TABLE_MSG = r"^grad_stats must be the contiguous float64 \[rows, 6\] table scaler_pass_ wrote"
+TABLE_MSG = (
+    rf"^grad_stats must be the contiguous float64 \[rows, {FIELDS}\] table scaler_pass_ wrote"
+)
 OUT_MSG = "must be a one-element float32 tensor"
 STATE_MSG = rf"^state must be a contiguous int32 tensor of {ops.STATE_SIZE} elements"
 NORM_MSG = r"^clip_factor_ computes norm_type 2 or inf, got "
 BAD: dict[str, list[tuple[str, Callable[[str], Any], type, str]]] = {
     "grad_stats": [
-        ("float32", _zeros(3, FIELDS), RuntimeError, TABLE_MSG + r".*got Float of shape \[3, 6\]"),
+        (
+            "float32",
+            _zeros(3, FIELDS),
+            RuntimeError,
+            TABLE_MSG + rf".*got Float of shape \[3, {FIELDS}\]",
+        ),
         ("5_columns", _zeros(3, 5, dtype=F64), RuntimeError, TABLE_MSG + r".*shape \[3, 5\]"),
         ("1d", _zeros(18, dtype=F64), RuntimeError, TABLE_MSG + r".*shape \[18\]"),
-        ("no_header", _zeros(0, FIELDS, dtype=F64), RuntimeError, TABLE_MSG + r".*shape \[0, 6\]"),
+        (
+            "no_header",
+            _zeros(0, FIELDS, dtype=F64),
+            RuntimeError,
+            TABLE_MSG + rf".*shape \[0, {FIELDS}\]",
+        ),
         ("transposed", lambda d: _zeros(FIELDS, 3, dtype=F64)(d).t(), RuntimeError, TABLE_MSG),
     ],
     "total_norm": [

@@ -76,7 +76,7 @@ def _statistics(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     state = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
     reference.state_from_list(reference.initial_state(2.0**13), state)
     nxt, found = torch.zeros_like(state), torch.zeros(())
-    table = torch.empty(ops.grad_stats_rows(grads), 6, dtype=torch.float64)
+    table = torch.empty(ops.grad_stats_rows(grads), len(ops.STAT_FIELDS), dtype=torch.float64)
     ops.scaler_pass_(grads, found, state, nxt, table, *TORCH_RULE)
     return [found, nxt, table]
 

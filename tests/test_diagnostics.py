@@ -426,7 +426,8 @@ def test_report_equals_the_reference_bit_for_bit(
     for g, want in zip(report.grads, per_grad.tolist(), strict=True):
         norm = float(torch.tensor(math.sqrt(want[0]), dtype=torch.float32))
         got = (g.norm, g.abs_max, g.pos_inf, g.neg_inf, g.nan, g.zeros)
-        assert got == pytest.approx((norm, *want[1:]), rel=0, abs=0, nan_ok=True), g.name
+        # (the subnormal column is read for traced activation gradients only)
+        assert got == pytest.approx((norm, *want[1:6]), rel=0, abs=0, nan_ok=True), g.name
     assert math.isnan(report.total_norm) and math.isnan(total)
 
 
@@ -496,13 +497,18 @@ def test_scaler_pass_table_equals_reference(device: str, check_only: bool) -> No
     out = []
     for run in (ampfused.ops.scaler_pass_, ampfused.reference.scaler_pass_):
         gs = [g.clone() for g in grads]
-        table = torch.empty(ampfused.ops.grad_stats_rows(gs), 6, dtype=torch.float64, device=device)
+        table = torch.empty(
+            ampfused.ops.grad_stats_rows(gs),
+            len(ampfused.ops.STAT_FIELDS),
+            dtype=torch.float64,
+            device=device,
+        )
         found, nxt = torch.zeros((), device=device), torch.empty_like(state)
         run(gs, found, state, nxt, table, 2.0, 0.5, 2000, check_only=check_only)
         out.append((table.cpu(), nxt.cpu(), found.cpu(), [g.cpu() for g in gs]))
     (ta, na, fa, ga), (tb, nb, fb, gb) = out
     assert torch.equal(ta.nan_to_num(), tb.nan_to_num()) and torch.equal(ta.isnan(), tb.isnan())
-    assert ta[0].tolist() == [1024.0, 7.0, 1.0, 0.0, 0.0, 0.0]
+    assert ta[0].tolist() == [1024.0, 7.0, 1.0] + [0.0] * (len(ampfused.ops.STAT_FIELDS) - 3)
     assert torch.equal(na, nb) and torch.equal(fa, fb)
     for a, b in zip(ga, gb, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -14,6 +14,7 @@ from ampfused import _C, ops, reference
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 L = {d: 512 * (16 // torch.tensor([], dtype=d).element_size()) for d in DTYPES}  # lanes
 CHUNK = ops.CHUNK_SIZE
+FIELDS = len(ops.STAT_FIELDS)
 SCALE = 1000.0  # not a power of two: every unscaled value is rounded
 STEPS = 7  # the state's step counter, read back from the header
 
@@ -73,7 +74,7 @@ def _check(grads, scale=SCALE, check_only=False):
     _same(table[1:], expected)
     nonfinite = any(not bool(torch.isfinite(g).all()) for g in before if g.numel())
     scale32 = float(torch.tensor(scale, dtype=torch.float32))  # the state holds a float32
-    header = [scale32, STEPS, float(nonfinite), 0, 0, 0]
+    header = [scale32, STEPS, float(nonfinite)] + [0] * (FIELDS - 3)
     _same(table[0], torch.tensor(header, dtype=torch.float64))
     assert found == float(nonfinite)
     return table
@@ -91,6 +92,50 @@ def test_matches_reference_bit_for_bit(device, dtype, check_only):
     _check(grads, check_only=check_only)
     for g, b in zip(grads, before, strict=True):
         assert torch.equal(g, b if check_only else _unscaled(b, SCALE))
+
+
+# Around float16's smallest normal 2^-14: the subnormal column counts finite u with
+# 0 < |u| < 2^-14 (float16's subnormals, the values it keeps with fewer bits or loses).
+EDGE = {
+    "zero": (0.0, False),
+    "-zero": (-0.0, False),
+    "smallest normal": (2.0**-14, False),
+    "-smallest normal": (-(2.0**-14), False),
+    "just below": (2.0**-14 * (1 - 2.0**-10), True),  # float16's largest subnormal
+    "-just below": (-(2.0**-14) * (1 - 2.0**-10), True),
+    "below, 8 bits": (2.0**-14 * (1 - 2.0**-8), True),  # bfloat16's largest value below
+    "smallest subnormal": (2.0**-24, True),
+    "inf": (math.inf, False),
+    "nan": (math.nan, False),
+    "large": (3.0e4, False),  # a finite float16 maximum: the abs-max column too
+}
+
+
+@pytest.mark.parametrize("check_only", [False, True], ids=["write", "check_only"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_subnormal_count_at_every_position(device, dtype, check_only):
+    """Each edge value planted alone in a run of ones, at a head, a lane of every vector
+    position, the last full vector and the tail, at scale 1 (u = v): the subnormal column counts
+    exactly the values in (0, 2^-14), whatever the path (SIMD body, scalar tail, CUDA lanes)."""
+    lanes = 16 // torch.tensor([], dtype=dtype).element_size()
+    n = 3 * L[dtype] + 2 * lanes + 3  # several lane groups, then a partial vector
+    positions = sorted(
+        {0, 1, lanes - 1, lanes + 5 % lanes, L[dtype] - 1, L[dtype] + 7, n - 4, n - 1}
+    )
+    col = ops.STAT_FIELDS.index("subnormal")
+    planted = 0
+    for name, (value, counted) in EDGE.items():
+        g = torch.ones(n, dtype=dtype)
+        g[0] = value
+        stored = abs(float(g[0]))  # (rounded to the dtype: 2**-14 * (1 - 2**-10) is 2**-14 in
+        counted = counted and 0 < stored < 2.0**-14  # bfloat16)
+        planted += counted
+        for pos in positions:
+            g = torch.ones(n, dtype=dtype)
+            g[pos] = value
+            table = _check([g.to(device)], scale=1.0, check_only=check_only)
+            assert table[1, col].item() == int(counted), (name, pos)
+    assert planted >= 2  # (the premise: every dtype holds some values of the range)
 
 
 def _unscaled(g: torch.Tensor, scale: float) -> torch.Tensor:
@@ -214,7 +259,7 @@ def test_abs_max_and_overflow_to_inf(device):
     # u overflowing float16 (scale < 1): counted as neither inf input nor finite abs-max.
     g = torch.tensor([60000.0, -1.0, 2.0, 0.5], dtype=torch.float16, device=device)
     table = _check([g], scale=0.5)
-    assert table[1].tolist() == [math.inf, 4.0, 0.0, 0.0, 0.0, 0.0]
+    assert table[1].tolist() == [math.inf, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert g[0].item() == math.inf
 
 
@@ -256,8 +301,8 @@ def test_many_items_and_launches(device):
 
 def test_empty_pass(device):
     table, found = _run([torch.zeros(0, device=device)])
-    assert table.shape == (1, 6) and found == 0.0
-    _same(table[0], torch.tensor([SCALE, STEPS, 0, 0, 0, 0], dtype=torch.float64))
+    assert table.shape == (1, FIELDS) and found == 0.0
+    _same(table[0], torch.tensor([SCALE, STEPS] + [0] * (FIELDS - 2), dtype=torch.float64))
 
 
 # --------------------------------------------------------------------------- reduction
@@ -274,13 +319,13 @@ def test_reduce_matches_reference():
     per_t, total_t = _C.reduce_grad_stats(rows, torch.tensor(numels))
     _same(per_t, ref_per)
     assert total == ref_total == total_t
-    assert per[0].tolist() == [0.0] * 6 and per[4].tolist() == [0.0] * 6
+    assert per[0].tolist() == [0.0] * FIELDS and per[4].tolist() == [0.0] * FIELDS
     assert per[3, 2] == 1 and math.isinf(per[3, 0])
 
 
 def test_reduce_rejects_mismatched_table():
-    rows = torch.zeros(3, 6, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"table\[1:\].*\[2, 6\]"):
+    rows = torch.zeros(3, FIELDS, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=rf"table\[1:\].*\[2, {FIELDS}\]"):
         _C.reduce_grad_stats(rows, [65536, 2])
     with pytest.raises(RuntimeError, match="float64"):
         _C.reduce_grad_stats(rows.float(), [65536, 2, 3])

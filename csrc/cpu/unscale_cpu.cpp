@@ -306,9 +306,12 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
   const __m256i abs32 = _mm256_set1_epi32(0x7fffffff);
   const __m256i inf32 = _mm256_set1_epi32(static_cast<int32_t>(kFloatExpMask));
   const __m256i zero32 = _mm256_setzero_si256();
+  const __m256i normal32 = _mm256_set1_epi32(static_cast<int32_t>(StatBits<float>::kHalfNormal));
   // Counted by subtracting all-ones masks; 16-bit lanes hold an item's 65536 / 8 at most.
+  // `below` counts |u| < 2^-14, zeros included (a signed compare: |u|'s bits are at most
+  // INT32_MAX); the subnormal count is below - zeros.
   __m128i pos = _mm_setzero_si128(), neg = pos, nan = pos;
-  __m256i zeros = zero32, maxbits = zero32;
+  __m256i zeros = zero32, below = zero32, maxbits = zero32;
   StatCounts<float> c;
   for (int64_t j = 0; j < n; j += L) {
     c10::Half* q = p + j;
@@ -335,6 +338,7 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
       _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), _mm256_mul_ps(u, u)));
       const __m256i ub = _mm256_and_si256(_mm256_castps_si256(u), abs32);
       zeros = _mm256_sub_epi32(zeros, _mm256_cmpeq_epi32(ub, zero32));
+      below = _mm256_sub_epi32(below, _mm256_cmpgt_epi32(normal32, ub));
       maxbits = _mm256_max_epu32(maxbits, _mm256_and_si256(ub, _mm256_cmpgt_epi32(inf32, ub)));
       if (!kCountInputs) any_max = _mm256_max_epu32(any_max, ub);
     }
@@ -349,17 +353,19 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
     }
   }
   alignas(32) uint16_t c16[3][8];
-  alignas(32) uint32_t c32[2][8];
+  alignas(32) uint32_t c32[3][8];
   _mm_store_si128(reinterpret_cast<__m128i*>(c16[0]), pos);
   _mm_store_si128(reinterpret_cast<__m128i*>(c16[1]), neg);
   _mm_store_si128(reinterpret_cast<__m128i*>(c16[2]), nan);
   _mm256_store_si256(reinterpret_cast<__m256i*>(c32[0]), zeros);
   _mm256_store_si256(reinterpret_cast<__m256i*>(c32[1]), maxbits);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c32[2]), below);
   for (int k = 0; k < 8; ++k) {
     c.pos_inf += c16[0][k];
     c.neg_inf += c16[1][k];
     c.nan += c16[2][k];
     c.zeros += c32[0][k];
+    c.subnormal += c32[2][k] - c32[0][k];
     c.abs_max_bits = std::max(c.abs_max_bits, c32[1][k]);
   }
   stat_write_row(row, stat_item_sum<float, kStatVec<c10::Half>>(lanes, n), c);
@@ -384,7 +390,10 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
   const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
   const __m512i one32 = _mm512_set1_epi32(1);
-  __m512i zeros = _mm512_setzero_si512(), maxbits = zeros;
+  // (stat_is_subnormal16: |u| - 1 < 2^-14 - 1, unsigned)
+  const __m512i normal_m1 =
+      _mm512_set1_epi32(static_cast<int32_t>(StatBits<float>::kHalfNormal - 1));
+  __m512i zeros = _mm512_setzero_si512(), subnormal = zeros, maxbits = zeros;
   StatCounts<float> c;
   for (int64_t j = 0; j < n; j += L) {
     T* q = p + j;
@@ -407,6 +416,8 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
       _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
       const __m512i ub = _mm512_and_si512(_mm512_castps_si512(u), abs32);
       zeros = _mm512_mask_add_epi32(zeros, _mm512_testn_epi32_mask(ub, ub), zeros, one32);
+      const __mmask16 sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(ub, one32), normal_m1);
+      subnormal = _mm512_mask_add_epi32(subnormal, sub, subnormal, one32);
       if (kCountInputs) {
         maxbits = _mm512_mask_max_epu32(maxbits, _mm512_cmplt_epu32_mask(ub, inf32), maxbits, ub);
       } else {
@@ -429,6 +440,7 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
     }
   }
   c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));
+  c.subnormal += static_cast<uint32_t>(_mm512_reduce_add_epi32(subnormal));
   c.abs_max_bits = std::max(c.abs_max_bits, _mm512_reduce_max_epu32(maxbits));
   stat_write_row(row, stat_item_sum<float, kStatVec<T>>(lanes, n), c);
   return c.found();

@@ -156,19 +156,21 @@ __device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is
 
   // The sum in the tree order; the counts and the abs-max in any order (integers).
   __shared__ M sums[kStatThreads];
-  __shared__ B warp_fields[kStatThreads / 32][5];
+  // (the five counts, then the abs-max)
+  constexpr int kFields = 6;
+  __shared__ B warp_fields[kStatThreads / 32][kFields];
   sums[tid] = stat_thread_sum<M, kVec>(lanes);
-  B f[5] = {c.pos_inf, c.neg_inf, c.nan, c.zeros, c.abs_max_bits};
+  B f[kFields] = {c.pos_inf, c.neg_inf, c.nan, c.zeros, c.subnormal, c.abs_max_bits};
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) f[j] += __shfl_xor_sync(0xffffffffu, f[j], off);
-    const B other = __shfl_xor_sync(0xffffffffu, f[4], off);
-    f[4] = f[4] > other ? f[4] : other;
+    for (int j = 0; j < kFields - 1; ++j) f[j] += __shfl_xor_sync(0xffffffffu, f[j], off);
+    const B other = __shfl_xor_sync(0xffffffffu, f[kFields - 1], off);
+    f[kFields - 1] = f[kFields - 1] > other ? f[kFields - 1] : other;
   }
   if (tid % 32 == 0) {
 #pragma unroll
-    for (int j = 0; j < 5; ++j) warp_fields[tid / 32][j] = f[j];
+    for (int j = 0; j < kFields; ++j) warp_fields[tid / 32][j] = f[j];
   }
   __syncthreads();
   for (int h = kStatThreads / 2; h > 0; h /= 2) {
@@ -182,7 +184,8 @@ __device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is
       total.neg_inf += warp_fields[w][1];
       total.nan += warp_fields[w][2];
       total.zeros += warp_fields[w][3];
-      if (warp_fields[w][4] > total.abs_max_bits) total.abs_max_bits = warp_fields[w][4];
+      total.subnormal += warp_fields[w][4];
+      if (warp_fields[w][5] > total.abs_max_bits) total.abs_max_bits = warp_fields[w][5];
     }
     stat_write_row(row, sums[0], total);
     if (measure_scale > 0.0f) {

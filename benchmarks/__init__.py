@@ -5,6 +5,7 @@
 - ``distributed``   the 2-process question (gloo); ``e2e`` a small GPT trained under each scaler
 - ``instructions``  host cost in instructions (``--only instructions``, or on its own)
 - ``policy``        loss-scale policies trained side by side in float16 autocast (CPU)
+- ``islands``       the same training, per layer: activation gradients left subnormal, step time
 - ``methods``       what is compared: one runner per method, the registry
 - ``workloads``     shape lists (GPT-2, Llama, ResNet-50, BERT, ViT) and gradient sets
 - ``timing``        interleaved timing: per step (CPU) and batched (GPU)

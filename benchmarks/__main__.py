@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import compare, distributed, e2e, policy, report, tracing
+from benchmarks import compare, distributed, e2e, islands, policy, report, tracing
 from benchmarks import targets as tg
 from benchmarks.env import (
     REPO,
@@ -41,8 +41,9 @@ TITLES["e2e"] = "End-to-end: small GPT, float16 autocast, each scaler"
 TITLES["instructions"] = "Host cost in instructions per call (torch on one thread)"
 TITLES["tracing"] = "Activation tracing: a GPT-2 step (forward, backward, scaler) traced or not"
 TITLES["policy"] = "Loss-scale policies: float16 training on CPU (skipped steps, scale, loss)"
+TITLES["islands"] = "Islands: every layer's activation gradients inside float16's range (CPU)"
 ORDER = ("step_cost", "diagnostics", "clip", "masters", "busy", "distributed", "models", "counts")
-ORDER += ("sizes", "e2e", "tracing", "policy", "instructions")
+ORDER += ("sizes", "e2e", "tracing", "policy", "islands", "instructions")
 DEFAULT = ORDER[:-1]  # instructions: minutes under callgrind, only when named
 
 DESCRIPTION = """\
@@ -63,7 +64,7 @@ python -m benchmarks.compare OLD NEW lists the rows that got slower."""
 OPTIONAL = {
     "matplotlib": "no plots (the tables only)",
     "tqdm": "no progress bar (a line per question instead)",
-    "transformers": "the tracing question and the policy question's GPT-2 are skipped",
+    "transformers": "the tracing and islands questions and the policy question's GPT-2 are skipped",
 }
 
 
@@ -73,7 +74,7 @@ def missing_packages(questions: list[str], plots: bool) -> dict[str, str]:
     wanted = {
         "matplotlib": plots,
         "tqdm": True,
-        "transformers": bool({"tracing", "policy"} & set(questions)),
+        "transformers": bool({"tracing", "policy", "islands"} & set(questions)),
     }
     return {
         name: f"{name} is not installed: {lost} (pip install {name})"
@@ -174,6 +175,7 @@ class Run:
     records: list[Record] = field(default_factory=list)
     e2e: dict[str, Any] | None = None
     policy: dict[str, Any] | None = None
+    islands: dict[str, Any] | None = None
     instructions: str | None = None
     errors: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
@@ -272,6 +274,9 @@ def run_question(run: Run, q: str) -> None:
     elif q == "policy":
         run.policy = policy.run(run.ctx)
         run.errors += policy.errors(run.policy)
+    elif q == "islands":
+        run.islands = islands.run(run.ctx)
+        run.errors += islands.errors(run.islands)
     elif q == "instructions":  # a process of its own: it may re-run itself under callgrind
         cmd = [sys.executable, "-m", "benchmarks.instructions", "--out", str(run.out)]
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -287,6 +292,7 @@ def run_questions(run: Run) -> None:
     sizes = {"distributed": len(distributed.WORKLOADS), "instructions": 1}
     sizes["tracing"] = len(tracing.MODELS)
     sizes["policy"] = policy.n_runs(run.args.quick)
+    sizes["islands"] = islands.n_runs(run.args.quick)
     sizes["e2e"] = e2e.preset(run.device, run.args.quick).steps
     total = sum(len(run.plan[q]) if q in run.plan else sizes[q] for q in run.questions)
     h = run.hdr
@@ -358,6 +364,8 @@ def sections(run: Run, tablefmt: str) -> list[tuple[str, str]]:
             body = text + "\n\n" + report.e2e_table(run.e2e, tablefmt)
         if q == "policy" and run.policy:
             body = policy.text(run.policy, tablefmt)
+        if q == "islands" and run.islands:
+            body = islands.text(run.islands, tablefmt)
         if q == "instructions" and run.instructions:
             body = f"```\n{run.instructions}\n```" if md else run.instructions
         if body:
@@ -407,6 +415,8 @@ def write_results(run: Run) -> None:
             run.plots = report.plots(run.records, run.out, title)
             if run.policy:
                 run.plots["policy"] = policy.plot(run.policy, run.out, title)
+            if run.islands:
+                run.plots["islands"] = islands.plot(run.islands, run.out, title)
         except Exception as e:  # noqa: BLE001 - a plot that fails is an error, not the end
             run.errors.append(f"plots: {type(e).__name__}: {e}")
     targets = {
@@ -423,7 +433,7 @@ def write_results(run: Run) -> None:
         "errors": run.errors,
         "targets": targets,
     }
-    compare.write(run.out, head, run.records, run.e2e, run.policy)
+    compare.write(run.out, head, run.records, run.e2e, run.policy, run.islands)
     md = "\n".join(f"## {t}\n\n{b}\n" if t else b for t, b in sections(run, "github"))
     (run.out / "results.md").write_text(md)
     write_gpu_targets(run)

@@ -2,9 +2,9 @@
 
 results.jsonl: a ``{"run": ...}`` line (environment, command, durations, errors, targets), one
 line per record with its measured fields only (floats to 4 significant digits; the ratios are
-recomputed on loading), then an ``{"e2e": ...}`` line and a ``{"policy": ...}`` line (the
-policy question's runs, benchmarks/policy.py): a diff of two commits' results shows the rows
-that moved.
+recomputed on loading), then an ``{"e2e": ...}`` line, a ``{"policy": ...}`` line (the policy
+question's runs, benchmarks/policy.py) and an ``{"islands": ...}`` line (benchmarks/islands.py):
+a diff of two commits' results shows the rows that moved.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ the machine's drift; --relative-to torch cancels it."""
 DERIVED = {"x_floor", "x_copy", "speedup_vs_torch", "device_x_copy", "device_speedup_vs_torch"}
 DERIVED.add("host_speedup_vs_torch")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Record)}
+# The questions whose results are a line of their own, in the file's order.
+LINES = ("e2e", "policy", "islands")
 
 
 def _round(x: Any) -> Any:
@@ -51,38 +53,42 @@ def _line(obj: dict[str, Any]) -> str:
 
 
 def write(
-    out: Path, run: dict[str, Any], records: list[Record], e2e: Any, policy: Any = None
+    out: Path,
+    run: dict[str, Any],
+    records: list[Record],
+    e2e: Any,
+    policy: Any = None,
+    islands: Any = None,
 ) -> Path:
     """``out``/results.jsonl; a record keeps its measured fields (no ratios, no defaults)."""
     lines = [_line({"run": run})]
     for r in records:
         d = dataclasses.asdict(r)
         lines.append(_line({k: v for k, v in d.items() if k not in DERIVED and v != _DEFAULTS[k]}))
-    if e2e:
-        lines.append(_line({"e2e": e2e}))
-    if policy:
-        lines.append(_line({"policy": policy}))
+    for key, value in zip(LINES, (e2e, policy, islands), strict=True):
+        if value:
+            lines.append(_line({key: value}))
     (out / NAME).write_text("\n".join(lines) + "\n")
     return out / NAME
 
 
 def load(path: Path) -> dict[str, Any]:
     """A results file or its folder as ``{"run": {...}, "records": [Record], "e2e": ...,
-    "policy": ...}``."""
+    "policy": ..., "islands": ...}``."""
     path = path / NAME if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such results file")
     run: dict[str, Any] = {}
-    e2e, policy, recs, groups = None, None, [], {}
+    own: dict[str, Any] = dict.fromkeys(LINES)
+    recs, groups = [], {}
     try:
         for line in filter(str.strip, path.read_text().splitlines()):
             obj = json.loads(line)
-            if "run" in obj:
+            key = next((k for k in ("run", *LINES) if k in obj), None)
+            if key == "run":
                 run = obj["run"]
-            elif "e2e" in obj:
-                e2e = obj["e2e"]
-            elif "policy" in obj:
-                policy = obj["policy"]
+            elif key is not None:
+                own[key] = obj[key]
             else:
                 recs.append(Record(**{k: v for k, v in obj.items() if k in _DEFAULTS}))
                 r = recs[-1]
@@ -92,7 +98,7 @@ def load(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a benchmarks results file ({type(e).__name__}: {e})") from e
     for group in groups.values():
         derive(group)
-    return {"run": run, "records": recs, "e2e": e2e, "policy": policy}
+    return {"run": run, "records": recs, **own}
 
 
 # --------------------------------------------------------------------------- comparison

@@ -72,6 +72,7 @@ skipped fewer steps).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.util
@@ -81,7 +82,7 @@ import statistics
 import sysconfig
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,17 +213,24 @@ def stdlib_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
 
 
-def _gpt2() -> nn.Module:
+def transformers_model(model: str, config: str, **settings: Any) -> nn.Module:
+    """transformers' ``model`` class built from its ``config`` class with ``settings``, eager
+    attention, the weights drawn from INIT_SEED (the same in every run)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(
+    cfg = getattr(transformers, config)(**settings)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(INIT_SEED)
+    return getattr(transformers, model)(cfg)
+
+
+def _gpt2() -> nn.Module:
+    return transformers_model(
+        "GPT2LMHeadModel", "GPT2Config",
         vocab_size=256, n_positions=LM_BLOCK, n_embd=LM_WIDTH, n_layer=LM_LAYERS,
         n_head=LM_HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(INIT_SEED)
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 def _lm_draw(data: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -417,11 +425,49 @@ class Trace:
     skipped: list[int] = field(default_factory=list)
     # step, underflowed, subnormal, elements, largest activation and parameter gradient (scaled)
     samples: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+    measured: list[tuple[int, Any]] = field(default_factory=list)  # step, train()'s measure
     wall_s: float = 0.0
 
 
-def train(task: Task, policy: Policy, form: Form, seed: int = DATA_SEED) -> Trace:
-    """One run of ``task`` under ``policy`` (float32: no autocast, no scaler)."""
+def forward_backward(
+    task: Task, scaler: Any, model: nn.Module, batch: Any, spike: bool = False
+) -> torch.Tensor:
+    """The step's forward in float16 autocast and its scaled backward (the loss times SPIKE at a
+    planted spike); returns the loss to report."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss, shown = task.loss(model, batch)
+    if spike:
+        loss = loss * SPIKE
+    scaler.scale(loss).backward()
+    return shown
+
+
+def optimizer_step(
+    task: Task, scaler: Any, params: list[torch.Tensor], opt: torch.optim.Optimizer
+) -> bool:
+    """The rest of the step after the backward: unscale_ and the gradients divided (where the
+    task divides them), the scaler's step and update, the gradients cleared; whether the step
+    was skipped."""
+    if task.divisor != 1:
+        scaler.unscale_(opt)
+        _divide(params, task.divisor)
+    scaler.step(opt)
+    skipped = _skipped(scaler, opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return skipped
+
+
+def train(
+    task: Task,
+    policy: Policy,
+    form: Form,
+    seed: int = DATA_SEED,
+    measure: Callable[[dict, dict], Any] | None = None,
+) -> Trace:
+    """One run of ``task`` under ``policy`` (float32: no autocast, no scaler).  ``measure``, if
+    given, is called at each sampled step with the captured float16 and float32 activation
+    gradients (name -> list of tensors); what it returns goes to ``Trace.measured``."""
     steps = form.steps[task.name]
     spikes = set(form.spikes(task))
     data = task.data()
@@ -451,26 +497,18 @@ def train(task: Task, policy: Policy, form: Form, seed: int = DATA_SEED) -> Trac
         scale = scaler.get_scale()
         sample = i % form.sample_every == 0 and not spike
         cap = Capture(model, half_only=True) if sample else None
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss, shown = task.loss(model, batch)
-        if spike:
-            loss = loss * SPIKE
-        scaler.scale(loss).backward()
+        shown = forward_backward(task, scaler, model, batch, spike)
         if cap is not None:
             half = cap.close()
             t1 = time.perf_counter()
             full = float32_grads(task, twin, model, batch, scale * (SPIKE if spike else 1.0))
             largest = (_largest(g for gs in half.values() for g in gs), _largest(_grads(params)))
             out.samples.append((i, *underflow_counts(half, full), *largest))
+            if measure is not None:
+                out.measured.append((i, measure(half, full)))
             t0 += time.perf_counter() - t1  # (the float32 recompute is not the run's time)
-        if task.divisor != 1:
-            scaler.unscale_(opt)
-            _divide(params, task.divisor)
-        scaler.step(opt)
-        if _skipped(scaler, opt):
+        if optimizer_step(task, scaler, params, opt):
             out.skipped.append(i)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
         out.losses.append(float(shown))
         out.log2_scales.append(_log2(scale))
         out.wall_s += time.perf_counter() - t0
@@ -580,17 +618,48 @@ def run(
     """Every task under every available policy, float32 and the noise runs: the question's
     results (results.jsonl's ``{"policy": ...}`` line)."""
     form = form or (QUICK if ctx.quick else FULL)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (the same bits on any machine; tiny models gain nothing from 2)
-    try:
+    with one_thread():
         return _run(ctx, form, tasks, policies)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the block: the same bits on any machine (tiny models gain
+    nothing from two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(ctx: Context, form: Form, tasks: Sequence[Task], policies: Sequence[Policy]) -> dict:
     available = availability(policies)
-    result: dict[str, Any] = {
+    result = head(ctx, form, policies, available)
+    for task in tasks:
+        if skip(ctx, QUESTION, task, len(policies) + 1 + len(form.noise_seeds)):
+            continue
+        result["tasks"][task.name] = run_task(ctx, task, form, policies, available, result["runs"])
+    return result
+
+
+def skip(ctx: Context, question: str, task: Task, runs: int) -> bool:
+    """Whether ``task`` cannot run here (the package it requires is not installed): if so a
+    note of ``question``'s says so and its ``runs`` are ticked off."""
+    if task.requires is None or importlib.util.find_spec(task.requires) is not None:
+        return False
+    ctx.notes.append(f"{question}: {task.name} skipped ({task.requires} is not installed)")
+    ctx.tick(runs)
+    return True
+
+
+def head(
+    ctx: Context, form: Form, policies: Sequence[Policy], available: dict[str, str | None]
+) -> dict[str, Any]:
+    """A training question's results before its runs: the form, the policies (their call and
+    why one is not available), no task and no run yet."""
+    return {
         "form": {
             "quick": ctx.quick,
             "spike_factor": SPIKE,
@@ -608,13 +677,6 @@ def _run(ctx: Context, form: Form, tasks: Sequence[Task], policies: Sequence[Pol
         "tasks": {},
         "runs": [],
     }
-    for task in tasks:
-        if task.requires and importlib.util.find_spec(task.requires) is None:
-            ctx.notes.append(f"policy: {task.name} skipped ({task.requires} is not installed)")
-            ctx.tick(len(policies) + 1 + len(form.noise_seeds))
-            continue
-        result["tasks"][task.name] = run_task(ctx, task, form, policies, available, result["runs"])
-    return result
 
 
 def _record(task: Task, policy: Policy, seed: int) -> dict[str, Any]:
@@ -628,8 +690,13 @@ def run_task(
     policies: Sequence[Policy],
     available: dict[str, str | None],
     runs: list[dict[str, Any]],
+    measure: Callable[[dict, dict], Any] | None = None,
+    extra: Callable[[Trace], dict[str, Any]] | None = None,
+    question: str = QUESTION,
 ) -> dict[str, Any]:
-    """One task's runs appended to ``runs``; the task's entry (spikes, noise, equality)."""
+    """One task's runs appended to ``runs``; the task's entry (spikes, noise, equality).
+    Another training question passes its own ``measure`` (to :func:`train`), ``extra`` (the
+    figures it adds to a scaled run's record, from its trace) and name (the progress line's)."""
     traces: dict[str, Trace] = {}
     mine: list[dict[str, Any]] = []
     plan = [(p, DATA_SEED) for p in (*policies, FLOAT32)]
@@ -639,15 +706,17 @@ def run_task(
         rec = _record(task, policy, seed)
         why = available.get(policy.name) if policy is not FLOAT32 else None
         other = f" batch seed {seed}" if seed != DATA_SEED else ""
-        ctx.describe(f"policy {task.name} {policy.name}{other}")
+        ctx.describe(f"{question} {task.name} {policy.name}{other}")
         if why:
             rec["status"], rec["note"] = "n/a", why
         else:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    trace = train(task, policy, form, seed)
+                    trace = train(task, policy, form, seed, measure)
                 rec.update(summary(trace, task, form))
+                if extra is not None and trace.log2_scales:
+                    rec.update(extra(trace))
                 if seed == DATA_SEED:
                     traces[policy.name] = trace
             except Exception as e:  # noqa: BLE001 - one broken policy must not hide the others
@@ -798,15 +867,7 @@ def finding(result: dict[str, Any], name: str) -> str:
             + (f" and {s['spikes']} at the spikes" if t["spikes"] else "")
             + f"; median scale 2^{_log2_cell(ref['log2_scale_median'])}. "
         )
-    n = t["noise"]
-    if n["spread"] is not None:
-        losses = ", ".join(f"{x:.4f}" for x in n["final_losses"])
-        line += (
-            f"Run-to-run noise {n['spread']:.4f}: the spread of torch default's final loss over "
-            f"{len(n['final_losses'])} batch orders ({losses}). "
-        )
-    else:
-        line += "Run-to-run noise not estimated (--quick): the loss target is not judged. "
+    line += noise_text(t["noise"]) + " "
     ratio = (runs.get(TORCH) or {}).get("underflow", {}).get("activation_over_parameter_max")
     if ratio is not None:
         line += (
@@ -832,6 +893,17 @@ def finding(result: dict[str, Any], name: str) -> str:
     return line
 
 
+def noise_text(noise: dict[str, Any]) -> str:
+    """A task's run-to-run noise in words (its entry's ``noise``)."""
+    if noise["spread"] is None:
+        return "Run-to-run noise not estimated (--quick): the loss target is not judged."
+    losses = ", ".join(f"{x:.4f}" for x in noise["final_losses"])
+    return (
+        f"Run-to-run noise {noise['spread']:.4f}: the spread of torch default's final loss over "
+        f"{len(noise['final_losses'])} batch orders ({losses})."
+    )
+
+
 def unavailable(result: dict[str, Any]) -> list[str]:
     missing = {n: p["why"] for n, p in result["policies"].items() if p["why"]}
     if not missing:
@@ -840,10 +912,10 @@ def unavailable(result: dict[str, Any]) -> list[str]:
     return [f"Not available in this build: {', '.join(missing)} ({why})."]
 
 
-def errors(result: dict[str, Any] | None) -> list[str]:
+def errors(result: dict[str, Any] | None, question: str = QUESTION) -> list[str]:
     """The runs that failed, as the suite's error lines."""
     return [
-        f"policy:{r['task']} {r['policy']} (batch seed {r['seed']}): {r['note']}"
+        f"{question}:{r['task']} {r['policy']} (batch seed {r['seed']}): {r['note']}"
         for r in (result or {}).get("runs", [])
         if r["status"] == "error"
     ]
@@ -852,8 +924,20 @@ def errors(result: dict[str, Any] | None) -> list[str]:
 def text(result: dict[str, Any], tablefmt: str) -> str:
     """The question's section: what it measures, a table per model with its findings, the
     targets per policy."""
+    return section(result, tablefmt, intro(result), finding, table)
+
+
+def section(
+    result: dict[str, Any],
+    tablefmt: str,
+    about: str,
+    finding: Callable[[dict[str, Any], str], str],
+    table: Callable[[dict[str, Any], str, str], str],
+) -> str:
+    """A training question's section: ``about`` (what it measures), the policies not
+    available, per task its ``finding`` in words and its ``table``, the targets per policy."""
     md = tablefmt == "github"
-    parts = [paragraph(intro(result), tablefmt)]
+    parts = [paragraph(about, tablefmt)]
     parts += [bullets(unavailable(result), tablefmt)] if unavailable(result) else []
     for name in result["tasks"]:
         parts.append(paragraph(finding(result, name), tablefmt))
@@ -881,6 +965,25 @@ def comparison_lines(result: dict[str, Any] | None) -> list[str]:
 def plot(result: dict[str, Any], out: Path, title: str) -> Path:
     """policy.png: the log2 scale each step ran with, one panel per model, one line per
     policy; planted spikes marked."""
+
+    def draw(ax: Any, name: str) -> None:
+        runs = [r for r in _main_runs(result, name) if "log2_scales" in r]
+        for k, r in enumerate(runs):  # each line thinner than the last: equal ones stay seen
+            style = "--" if r["policy"] in (AMPFUSED, HEADROOM_TRACED) else "-"
+            lw = 3.0 - 2.0 * k / max(len(runs) - 1, 1)
+            ax.plot(r["log2_scales"], style, lw=lw, label=r["policy"])
+        for k, s in enumerate(result["tasks"][name]["spikes"]):
+            ax.axvline(s, color="grey", lw=0.8, ls=":", label="planted spike" if k == 0 else None)
+        ax.set(title=name, xlabel="step", ylabel="log2 of the loss scale")
+
+    return panels(result, out / "policy.png", title, draw)
+
+
+def panels(
+    result: dict[str, Any], path: Path, title: str, draw: Callable[[Any, str], None]
+) -> Path:
+    """A training question's plot at ``path``: one panel per task, drawn by ``draw(axes,
+    task)``, a grid, the legend of the last panel beside it, ``title`` above."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -889,23 +992,11 @@ def plot(result: dict[str, Any], out: Path, title: str) -> Path:
     names = list(result["tasks"])
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.8), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        runs = [
-            r
-            for r in result["runs"]
-            if r["task"] == name and r["seed"] == DATA_SEED and "log2_scales" in r
-        ]
-        for k, r in enumerate(runs):  # each line thinner than the last: equal ones stay seen
-            style = "--" if r["policy"] in (AMPFUSED, HEADROOM_TRACED) else "-"
-            lw = 3.0 - 2.0 * k / max(len(runs) - 1, 1)
-            ax.plot(r["log2_scales"], style, lw=lw, label=r["policy"])
-        for k, s in enumerate(result["tasks"][name]["spikes"]):
-            ax.axvline(s, color="grey", lw=0.8, ls=":", label="planted spike" if k == 0 else None)
-        ax.set(title=name, xlabel="step", ylabel="log2 of the loss scale")
+        draw(ax, name)
         ax.grid(True, alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = out / "policy.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -18,7 +18,13 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ampfused import _dist
-from ampfused._arguments import check_clip_optimizer
+from ampfused._arguments import (
+    check_clip_optimizer,
+    check_device,
+    check_factor_range,
+    check_init_scale,
+    not_an_optimizer,
+)
 from ampfused._extension import unavailable
 
 __all__ = ["GradScaler", "MasterWeights", "OptState"]
@@ -55,8 +61,45 @@ class _Refusals:
     policy = "torch"
     headroom = None
 
+    def _check_init_scale(self) -> None:
+        """init_scale, after torch's constructor (which may have disabled the scaler: then
+        nothing is checked, as torch checks nothing)."""
+        if self._enabled:
+            check_init_scale(type(self).__name__, self._init_scale)
+
     def _needs_kernels(self, name: str) -> NoReturn:
         raise unavailable(f"{type(self).__name__}.{name}()")
+
+    # The mistakes ampfused's scaler refuses and torch's accepts or reports in its own terms (a
+    # number as the device, a zero, negative or non-finite init_scale, a factor the constructor
+    # refuses given to a setter, the model where the optimizer goes) are refused here too, after
+    # torch's own refusals that come first (before scale(), a closure): the same code must not
+    # train with the kernels and fail without them.
+    def unscale_(self, optimizer: Any) -> None:
+        if self._enabled and self._scale is not None and not hasattr(optimizer, "param_groups"):
+            raise not_an_optimizer(optimizer, "unscale_")
+        super().unscale_(optimizer)  # type: ignore[misc]
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if (
+            self._enabled
+            and self._scale is not None
+            and "closure" not in kwargs
+            and not hasattr(optimizer, "param_groups")
+            and not getattr(optimizer, "_step_supports_amp_scaling", False)
+        ):
+            raise not_an_optimizer(optimizer, "step")
+        return super().step(optimizer, *args, **kwargs)  # type: ignore[misc]
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        if self._enabled:
+            check_factor_range("set_growth_factor", "growth_factor", new_factor)
+        super().set_growth_factor(new_factor)  # type: ignore[misc]
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        if self._enabled:
+            check_factor_range("set_backoff_factor", "backoff_factor", new_factor)
+        super().set_backoff_factor(new_factor)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint of ampfused's scaler with a scale policy: torch's rule would drop it.
@@ -110,9 +153,11 @@ class GradScaler(_Refusals, torch.amp.GradScaler):
         **options: Any,
     ) -> None:
         _check_options("GradScaler", options)
+        check_device("GradScaler", device)
         super().__init__(
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
+        self._check_init_scale()
 
     def clip_grad_norm_(
         self,
@@ -166,6 +211,7 @@ def sharded_grad_scaler() -> type:
                             f"ShardedGradScaler got an unexpected keyword argument {name!r}"
                         )
                 _check_options("ShardedGradScaler", options)
+                check_device("ShardedGradScaler", device)
                 kwargs = {} if process_group is None else {"process_group": process_group}
                 super().__init__(
                     device,
@@ -176,6 +222,7 @@ def sharded_grad_scaler() -> type:
                     enabled,
                     **kwargs,
                 )
+                self._check_init_scale()
 
             def clip_grad_norm_(self, *args: Any, **kwargs: Any) -> NoReturn:
                 raise NotImplementedError(

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ampfused import ops
+from ampfused._arguments import check_init_scale
 from ampfused._torch_private import amp_update_scale_, tensor_version
 
 __all__ = ["ScaleState", "Checkpoint", "read_checkpoint", "check_policy", "check_update_arg"]
@@ -256,9 +257,12 @@ def check_headroom(where: str, policy: Any, headroom: Any) -> float:
 def check_constructor(enabled: bool, init_scale: Any, factors: Factors, policy: tuple) -> Policy:
     """The constructor's values beyond torch's own checks, in the order torch would meet them
     (the first scale(), update()), then the policy, then init_scale within its bounds.  torch
-    checks nothing else, and uses nothing, when disabled."""
+    checks nothing else, and uses nothing, when disabled.  Beyond torch: an init_scale that is
+    zero, negative, inf or NaN, which torch accepts and trains into NaN or sign-flipped
+    gradients."""
     if enabled:
         check_fill("GradScaler: init_scale", init_scale, torch.float32, None)
+        check_init_scale("GradScaler", init_scale)
         for name, value in zip(UPDATE_ARGS, factors, strict=True):
             check_update_arg("GradScaler", name, value)
     checked = check_policy("GradScaler", *policy)

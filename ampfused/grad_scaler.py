@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ampfused import _clip, _dist, _grad_pass, _scale_state
+from ampfused._arguments import check_device, check_factor_range, not_an_optimizer
 from ampfused._compile import as_is, compiled_region_active, eager, not_traced, not_traced_eager
 from ampfused._scale_state import CHECKPOINT_KEY, ScaleState, check_update_arg
 from ampfused._torch_private import OptState, supports_amp_scaling
@@ -236,7 +237,12 @@ class GradScaler(torch.amp.GradScaler):
             cannot be pickled (process groups cannot), as torch's ShardedGradScaler.
 
     Raises:
-        AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch).
+        AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` (as torch); an
+            ``init_scale`` that is zero, negative, inf or NaN (torch accepts it and trains into
+            NaN or sign-flipped gradients).
+        TypeError: a number as ``device`` (``GradScaler(65536.0)``, the positional init_scale of
+            the deprecated ``torch.cuda.amp.GradScaler``): write
+            ``GradScaler("cuda", init_scale=65536.0)``.
         TypeError, ValueError, OverflowError, RuntimeError: a value torch would fail on at the
             first ``scale()`` or ``update()``, with the exception torch raises there.
         TypeError, ValueError: a policy argument of the wrong type or out of range
@@ -264,6 +270,7 @@ class GradScaler(torch.amp.GradScaler):
         policy: str = "torch",
         headroom: float = _scale_state.DEFAULT_HEADROOM,
     ) -> None:
+        check_device(type(self).__name__, device)
         found_inf_groups = _dist.check_found_inf_group(type(self).__name__, found_inf_group)
         _check_switches(scaling, allow_fp16, min_scale, max_scale, hysteresis)
         headroom_factor = _scale_state.check_headroom(type(self).__name__, policy, headroom)
@@ -448,16 +455,20 @@ class GradScaler(torch.amp.GradScaler):
 
     @not_traced_eager
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the scale growth factor (checked as torch's ``update()`` will use it)."""
+        """Set the scale growth factor: checked as torch's ``update()`` will use it, and refused
+        (``AssertionError``) where ``<= 1.0``, as the constructor refuses it."""
         if self._enabled:
             check_update_arg("set_growth_factor", "growth_factor", new_factor)
+            check_factor_range("set_growth_factor", "growth_factor", new_factor)
         self._growth_factor = new_factor
 
     @not_traced_eager
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the scale backoff factor (checked as torch's ``update()`` will use it)."""
+        """Set the scale backoff factor: checked as torch's ``update()`` will use it, and refused
+        (``AssertionError``) where ``>= 1.0``, as the constructor refuses it."""
         if self._enabled:
             check_update_arg("set_backoff_factor", "backoff_factor", new_factor)
+            check_factor_range("set_backoff_factor", "backoff_factor", new_factor)
         self._backoff_factor = new_factor
 
     @not_traced_eager
@@ -505,12 +516,18 @@ class GradScaler(torch.amp.GradScaler):
 
         Same contract as :meth:`torch.amp.GradScaler.unscale_` (call at most once per optimizer
         per iteration, before :meth:`step`); one fused pass, no host sync.
+
+        Raises:
+            AttributeError: ``optimizer`` has no ``param_groups`` (the model, or
+                ``model.parameters()``), as torch's; the message says what was given.
         """
         if compiled_region_active():
             return eager(GradScaler.unscale_)(self, optimizer)
         if not self._enabled:
             return
         self._check_scale_growth_tracker("unscale_")
+        if not hasattr(optimizer, "param_groups"):  # (the model, model.parameters())
+            raise not_an_optimizer(optimizer, "unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is not _READY:
             _stage_error("unscale_", optimizer_state["stage"])
@@ -607,6 +624,8 @@ class GradScaler(torch.amp.GradScaler):
         Raises:
             RuntimeError: a ``closure`` keyword, or a second step() before :meth:`update`.
             AssertionError: no :meth:`scale` call yet, or the optimizer has no gradients.
+            AttributeError: ``optimizer`` has no ``param_groups`` (the model, or
+                ``model.parameters()``), as torch's; the message says what was given.
         """
         # In a compiled region the scaler's own work runs eagerly and the optimizer's step is a
         # frame torch.compile compiles, as under torch's scaler.
@@ -631,6 +650,8 @@ class GradScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise _closure_error()
         self._check_scale_growth_tracker("step")
+        if not hasattr(optimizer, "param_groups") and not supports_amp_scaling(optimizer):
+            raise not_an_optimizer(optimizer, "step")  # (before its state is made)
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is _STEPPED:
             _stage_error("step", _STEPPED)

@@ -243,6 +243,7 @@ CTOR_VALUES: dict[str, list[tuple[str, Any]]] = {
         ("nan", math.nan),
         ("0.0", 0.0),
         ("-4.0", -4.0),
+        ("-inf", -math.inf),
         ("True", True),
         ("np.float64", np.float64(4.0)),
         ("tensor(2.)", torch.tensor(2.0)),
@@ -295,6 +296,8 @@ CTOR_VALUES: dict[str, list[tuple[str, Any]]] = {
         ("tensor(2)", torch.tensor(2)),
         ("np.int64", np.int64(2)),
     ],
+    # torch.cuda.amp.GradScaler's positional init_scale, where torch.amp.GradScaler's device goes
+    "device": [("65536.0", 65536.0), ("1024", 1024), ("True", True)],
 }
 
 
@@ -390,10 +393,18 @@ SETTER_VALUES: dict[str, list[tuple[str, Any]]] = {
         ("None", None),
         ("10**400", 10**400),
         ("0.5", 0.5),
+        ("-1.0", -1.0),
+        ("1.0", 1.0),
         ("np.float64", np.float64(3.0)),
         ("tensor(3.)", torch.tensor(3.0)),
     ],
-    "set_backoff_factor": [("'0.5'", "0.5"), ("None", None), ("1.5", 1.5)],
+    "set_backoff_factor": [
+        ("'0.5'", "0.5"),
+        ("None", None),
+        ("1.5", 1.5),
+        ("1.0", 1.0),
+        ("np.float64", np.float64(0.25)),
+    ],
     "set_growth_interval": [
         ("2.5", 2.5),
         ("True", True),
@@ -801,9 +812,10 @@ def _misuse_probe(
     misuse: Callable[[World], Any],
     after_from: int = 1,
     then_update: bool = False,
+    names: str | None = None,
     **scaler_kw: Any,
 ) -> None:
-    @probe(f"misuse: {name}")
+    @probe(f"misuse: {name}", names=names)
     def script(w: World) -> None:
         w.do("GradScaler(...)", lambda: w.make(**scaler_kw))
         before(w)
@@ -887,6 +899,20 @@ _misuse_probe(
     lambda w: w.scaler.step(torch.optim.SGD([nn.Parameter(torch.ones(2))])),
     then_update=True,
 )
+# The model (or its parameters) where the optimizer goes: torch's AttributeError for
+# 'param_groups', with what was given and the fix.
+for _label, _thing in (
+    ("the model", lambda w: nn.Linear(2, 2)),
+    ("model.parameters()", lambda w: iter(w.params)),
+):
+    for _method in ("step", "unscale_"):
+        _misuse_probe(
+            f"{_method}() of {_label}",
+            _forward0,
+            partial(lambda m, t, w: getattr(w.scaler, m)(t(w)), _method, _thing),
+            then_update=True,
+            names=f"scaler.{_method}(optimizer)",  # (the fix)
+        )
 _misuse_probe(
     "unscale_() of an optimizer without grads",
     _forward0,
@@ -952,6 +978,13 @@ REASONS: dict[str, tuple[str, str]] = {
         "unscaled once per memory location",
         "torch refuses gradients with overlapping memory (expanded views)",
     ),
+    "a mistake torch accepts": (
+        "refused although torch accepts them",
+        "torch trains on with a zero, negative or non-finite init_scale, a factor its own "
+        "constructor refuses given to a setter, or a number as the device; ampfused raises at "
+        "the call, with the exception type torch's constructor uses for such a value "
+        "(MISTAKE_TYPES), and keeps the state it had",
+    ),
 }
 
 _BAD_INIT = (
@@ -1012,7 +1045,26 @@ DELIBERATE: dict[str, str] = {
     "grads: bool after float32": "validated first",
     "grads: float8 after float32": "validated first",
     "grads: expanded (overlapping)": "overlapping grads",
+    **{
+        f"ctor: init_scale={v}": "a mistake torch accepts"
+        for v in ("inf", "-inf", "nan", "0.0", "-4.0")
+    },
+    "ctor: device=*": "a mistake torch accepts",
+    **{f"set_growth_factor({v})": "a mistake torch accepts" for v in ("0.5", "-1.0", "1.0")},
+    **{f"set_backoff_factor({v})": "a mistake torch accepts" for v in ("1.5", "1.0")},
 }
+# What ampfused raises for a mistake torch accepts (torch never raises, so nothing else says
+# which type is right): the constructor's type for a value out of range, TypeError for a value
+# of the wrong kind.
+MISTAKE_TYPES: dict[str, str] = {
+    "ctor: init_scale=*": "builtins.AssertionError",
+    "ctor: device=*": "builtins.TypeError",
+    "set_*_factor(*)": "builtins.AssertionError",
+}
+
+
+def mistake_type(name: str) -> str | None:
+    return next((t for pattern, t in MISTAKE_TYPES.items() if _matches(name, pattern)), None)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -1182,8 +1234,15 @@ def check(name: str, runs: Any) -> list[str]:
         for k, (label, out_a, snap_a) in enumerate(a):
             if clean_out[k] == SKIPPED:
                 later = [e[1] for e in t[k:] if e[1] not in (None, SKIPPED)]
+                expected = mistake_type(name) if reason == "a mistake torch accepts" else None
                 if out_a is None:
                     problems.append(f"{label!r}: ampfused accepted it ({reason})")
+                elif not later and expected is not None:
+                    if expected not in out_a[0]:
+                        problems.append(
+                            f"{label!r}: ampfused {_describe(out_a)}, not the {expected} a "
+                            "mistake torch accepts is refused with"
+                        )
                 elif not later:
                     problems.append(f"{label!r}: ampfused raised but torch never does")
                 elif not _compatible(out_a, later[0]):
@@ -1217,6 +1276,9 @@ def test_deliberate_table_is_current():
     for pattern in DELIBERATE:
         assert any(_matches(n, pattern) for n in PROBES), f"no probe matches {pattern!r}"
     assert set(DELIBERATE.values()) == set(REASONS)
+    for name, reason in ((n, deliberate_reason(n)) for n in PROBES):
+        if reason == "a mistake torch accepts":
+            assert mistake_type(name), f"{name}: no MISTAKE_TYPES row says what it raises"
 
 
 def test_docs_list_the_deliberate_differences():
@@ -1289,6 +1351,13 @@ class _Aborts(OurScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
+class _RefusesWithValueError(OurScaler):
+    def set_growth_factor(self, new_factor):
+        if new_factor <= 1.0:
+            raise ValueError("set_growth_factor: growth_factor must be > 1.0")
+        super().set_growth_factor(new_factor)
+
+
 class _Hangs(OurScaler):
     def update(self, new_scale=None):
         signal.pause()
@@ -1311,6 +1380,11 @@ BROKEN: dict[str, tuple[str, type, str]] = {
         "scaler after the call differ",
     ),
     "a bad value accepted": ("set_growth_interval(2.5)", _AcceptsSilently, "accepted it"),
+    "a mistake torch accepts, refused with another type": (
+        "set_growth_factor(-1.0)",
+        _RefusesWithValueError,
+        "not the builtins.AssertionError",
+    ),
     "a message that names nothing": (
         "set_growth_interval(2.5)",
         _UnnamedMessage,
@@ -1393,3 +1467,54 @@ def test_harness_reports_a_broken_scaler(case):
     got = run_probes([name], broken, timeout=2.0 if broken is _Hangs else BATCH_TIMEOUT_S)
     problems = check(name, got[name])
     assert any(expected in p for p in problems), problems
+
+
+# ------------------------------------------------------------------------------- the messages
+# What the probes do not read: the words.  The same mix-up gets the same message from every
+# method that meets it, and the scaler without kernels refuses what this one refuses.
+def _no_kernels_scaler() -> type:
+    from ampfused import _no_kernels
+
+    return _no_kernels.GradScaler
+
+
+@pytest.mark.parametrize("cls", [OurScaler, _no_kernels_scaler()], ids=["kernels", "no kernels"])
+def test_the_model_where_the_optimizer_goes(cls):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cls("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    for method in ("step", "unscale_"):
+        with pytest.raises(AttributeError) as e:
+            getattr(scaler, method)(model)
+        assert str(e.value) == (
+            "'Linear' object has no attribute 'param_groups'. "
+            f"{method}(optimizer): expected the optimizer "
+            f"{'to step' if method == 'step' else 'whose gradients to unscale'}, got a module "
+            f"(Linear: the model?); pass the optimizer: scaler.{method}(optimizer)"
+        )
+        with pytest.raises(AttributeError, match=r"got a generator \(model.parameters\(\)\?\)"):
+            getattr(scaler, method)(model.parameters())
+    with pytest.raises(TypeError, match=r"got a module \(Linear: the model\?\); pass the optim"):
+        scaler.clip_grad_norm_(model, 1.0)
+    assert id(model) not in scaler._per_optimizer_states  # (refused before it is recorded)
+    scaler.step(opt)  # (the iteration goes on)
+    scaler.update()
+
+
+@pytest.mark.parametrize("cls", [OurScaler, _no_kernels_scaler()], ids=["kernels", "no kernels"])
+def test_mistakes_torch_accepts(cls):
+    with pytest.raises(TypeError, match=re.escape('write GradScaler("cuda", init_scale=65536.0)')):
+        cls(65536.0)
+    with pytest.raises(TypeError, match=re.escape('GradScaler("cuda", enabled=False)')):
+        cls(False)
+    for bad in (0.0, -1.0, math.inf, math.nan, torch.tensor(0.0)):
+        with pytest.raises(AssertionError, match=r"^The initial scale must be a positive finite"):
+            cls("cpu", init_scale=bad)
+    cls("cpu", init_scale=0.0, enabled=False)  # (torch checks nothing of a disabled scaler)
+    scaler = cls("cpu")
+    with pytest.raises(AssertionError, match=r"^The growth factor must be > 1\.0\. .*=-1\.0"):
+        scaler.set_growth_factor(-1.0)
+    with pytest.raises(AssertionError, match=r"^The backoff factor must be < 1\.0\. .*=2\.0"):
+        scaler.set_backoff_factor(2.0)
+    assert (scaler._growth_factor, scaler._backoff_factor) == (2.0, 0.5)

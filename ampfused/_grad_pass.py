@@ -23,11 +23,13 @@ it (:mod:`ampfused._dist`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from ampfused import _C, _dist
+from ampfused._arguments import user_stacklevel
 from ampfused._scale_state import READ_ONLY_PASS, STATE_SIZE, kernel_update_args
 from ampfused._torch_private import tensor_version
 from ampfused.master_weights import MasterWeights
@@ -126,6 +128,8 @@ def found_inf(
         if not check_only:
             inv = inv_scale(scaler)
         state = scaler._scale_state
+        if state.headroom and not state.dtypes_seen:
+            check_headroom_dtypes(scaler, [{"params": optimizer.model_params}])
         if state.headroom and watch is not None and watch.tracer is not None:
             # (the masters' pass measures nothing itself: the update reads the traced one)
             nxt = state.pending_buffer(scale.device)
@@ -175,6 +179,8 @@ def found_inf(
         return agree(scaler, found, (), first_table)
     if watch is not None and watch.name_check:  # (the first iteration under watch() only)
         watch.check_names(groups)
+    if state.headroom and not state.dtypes_seen:  # (the first pass with gradients only)
+        check_headroom_dtypes(scaler, groups)
     # DTensor gradients have their found_inf reduced over their meshes; a rank with no gradient
     # joins the all-reduces the ranks with gradients run (checked only then: no cost per step).
     mesh_plan = _dist.mesh_plan(unwrap[3]) if unwrap is not None and unwrap[3] else []
@@ -195,6 +201,39 @@ def found_inf(
             if tables is not None and not mesh_plan:  # (sharded: the norm needs every rank)
                 tables.append((stats, positions, groups))
     return agree(scaler, found, mesh_plan, first_table)
+
+
+def check_headroom_dtypes(scaler: Any, groups: Any) -> None:
+    """The headroom policy keeps the largest gradient ``headroom`` times below float16's largest
+    value (65,504): a rule for float16.  At the first pass that meets gradients, a UserWarning
+    where they, or the traced activations, are bfloat16 and none is float16: bfloat16 has
+    float32's range and wants no loss scale (``scaling=False``).  Reads the dtypes of lists and
+    tuples of parameters only (a generator was read by the pass)."""
+    dtypes: set[torch.dtype] = set()
+    for group in groups:
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, (list, tuple)):
+            dtypes.update(
+                p.grad.dtype for p in params if isinstance(p, torch.Tensor) and p.grad is not None
+            )
+    watch = scaler._watch
+    if watch is not None and watch.tracer is not None:
+        dtypes.update(row[6] for row in watch.tracer.now)  # (the traced outputs' dtypes)
+    if not dtypes:
+        return  # (no gradient yet: the next pass looks)
+    scaler._scale_state.dtypes_seen = True
+    if torch.bfloat16 in dtypes and torch.float16 not in dtypes:
+        warnings.warn(
+            f"{type(scaler).__name__}(policy='headroom') meets bfloat16 gradients, but the "
+            "headroom policy is a float16 rule: it moves the scale to keep the largest gradient "
+            "headroom times below float16's largest value (65,504), and bfloat16, which has "
+            "float32's range, overflows nowhere near it, so the scale it sets (and grows) "
+            "protects nothing.  bfloat16 training needs no loss scale: use "
+            f"{type(scaler).__name__}(..., scaling=False), which keeps the scale at 1.0 and "
+            "still skips the steps with inf/NaN.  (Given once per scaler.)",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def activation_magnitude(rows: list, into: torch.Tensor) -> bool:

@@ -542,6 +542,9 @@ class ScaleState:
         # Whether a fused pass of this iteration measured the magnitude in `next` (else
         # prepare_next zeroes it: nothing measured).
         self.measured = False
+        # Whether the headroom policy has seen the gradients' dtypes (it warns once where they
+        # are bfloat16: see _grad_pass.check_headroom_dtypes).
+        self.dtypes_seen = False
         # (the scale view, the tracker view) made with `tensor`: the scaler's _scale and
         # _growth_tracker, as long as nobody replaced them
         self.views: tuple[torch.Tensor, torch.Tensor] | None = None

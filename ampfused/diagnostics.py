@@ -16,8 +16,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
-import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,14 +24,13 @@ from typing import Any
 import torch
 
 from ampfused import _C
-from ampfused._arguments import describe_argument
+from ampfused._arguments import describe_argument, user_stacklevel
 from ampfused._grad_pass import flat_params
 from ampfused.activations import Row, Tracer
 
 __all__ = ["ActivationStats", "GradStats", "StepReport"]
 
 _LOG = logging.getLogger("ampfused")
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LOG_SKIPPED = (False, "log", "warn")
 _LISTED = 5  # parameter offenders printed under a traced origin (all are in report.offenders)
 
@@ -777,16 +774,6 @@ def grad_norms(
     return out
 
 
-def _caller_stacklevel() -> int:
-    """warnings.warn's stacklevel, from the caller of this function, for the first frame
-    outside the package: the user's line, through however many of the scaler's frames (step()
-    reaches a pass through two to four)."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _not_named(given: Any, detail: str = "") -> TypeError:
     """watch()'s refusal of an argument that names no parameters."""
     return TypeError(
@@ -934,7 +921,7 @@ class Watch:
             "parameters (scaler.watch(model), the model the optimizer was built from), or add "
             "them as (name, parameter) pairs.  (Given once per watch().)",
             UserWarning,
-            stacklevel=_caller_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     def _passes(self, method: str) -> list[tuple[torch.Tensor, torch.Tensor, list]]:

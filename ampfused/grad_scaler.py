@@ -221,7 +221,9 @@ class GradScaler(torch.amp.GradScaler):
             probed one growth_factor higher every growth_interval clean steps.  Starts at 1.0
             where init_scale equals torch's default (2**16).  On the device, no host sync.
             Without activation tracing only parameter gradients are measured: see
-            docs/loss-scale.md, "A loss scale that reads its headroom".
+            docs/loss-scale.md, "A loss scale that reads its headroom".  A rule for float16:
+            where the gradients (or the traced activations) are bfloat16, which needs no loss
+            scale, the first pass says once, in a UserWarning, to use ``scaling=False``.
         headroom: the factor of the headroom policy (from 1 to 65,504; 4 by default); only
             with ``policy="headroom"``.
         found_inf_group: a ``torch.distributed`` process group, or a list of them, over which

@@ -18,6 +18,7 @@ import io
 import math
 import pickle
 import random
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -257,7 +258,10 @@ PROPERTIES = {
     check_spike_costs_one_step: ["every overflow a ceiling", "no overflow record"],
     check_unmeasured_overflow_is_learned: ["no ceiling"],
     check_isolated_overflows_set_no_ceiling: ["ceiling by the tracker", "every overflow a ceiling"],
-    check_unmeasured_overflow_holds_nothing: ["unmeasured overflow held", "unmeasured ceiling kept"],
+    check_unmeasured_overflow_holds_nothing: [
+        "unmeasured overflow held",
+        "unmeasured ceiling kept",
+    ],
 }
 BROKEN_CASES = [(check, name) for check, names in PROPERTIES.items() for name in names]
 
@@ -619,3 +623,48 @@ def test_nothing_measured_starts_fast_then_follows_torchs_rule() -> None:
     # growth 50 clean steps after the overflow
     assert scales[30:32] == [2.0**15, 2.0**16]
     assert scales[79:81] == [2.0**16, 2.0**17]
+
+
+def _bf16_steps(make: str, steps: int = 3, **watch: object) -> list[str]:
+    """A few headroom-policy steps on bfloat16 gradients (a bfloat16 model, or float32 weights
+    under bfloat16 autocast, traced) or on float16 autocast; the UserWarnings they gave."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    dtype = torch.float16 if make == "float16 autocast" else torch.bfloat16
+    if make == "bfloat16 model":
+        model = model.to(torch.bfloat16)
+    scaler = ampfused.GradScaler("cpu", policy="headroom")
+    if watch:
+        scaler.watch(model, **watch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.zero_grad()
+            x = torch.randn(4, 8, dtype=torch.bfloat16 if make == "bfloat16 model" else None)
+            with torch.autocast("cpu", dtype=dtype, enabled=make != "bfloat16 model"):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize(
+    "make, watch",
+    [
+        ("bfloat16 model", {}),
+        ("bfloat16 autocast", {"activations": True}),
+    ],
+)
+def test_bfloat16_gradients_warn_once(make: str, watch: dict) -> None:
+    """The headroom policy is a float16 rule (65,504): on bfloat16 gradients, or bfloat16 traced
+    activations, the first pass says once that bfloat16 wants scaling=False."""
+    got = _bf16_steps(make, **watch)
+    assert len(got) == 1, got
+    assert "bfloat16" in got[0] and "scaling=False" in got[0] and "65,504" in got[0]
+
+
+def test_float16_gradients_do_not_warn() -> None:
+    assert _bf16_steps("float16 autocast", activations=True) == []
+    assert _bf16_steps("bfloat16 autocast") == []  # (float32 gradients, nothing traced: silent)

@@ -14,6 +14,10 @@ small table per module call and direction, kept in execution order until the rep
 the output.  A module called several times gets a row per call; the forward calls that
 activation checkpointing re-runs during backward are recorded as such (``recompute``) and never
 taken for an origin.
+
+Under ``torch.compile(model)`` the hooks are not traced: dynamo calls them at a graph break and
+they run eagerly (:mod:`ampfused._compile`), as the scaler's methods do, so the compiled model
+is split into a graph per traced module call and the statistics are the eager ones.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, ops
+from ampfused._compile import compiled_region_active, eager, not_traced
 from ampfused._scale_state import READ_ONLY_PASS, unit_state
 from ampfused._torch_private import current_graph_task_id
 from ampfused.islands import select_modules
@@ -74,6 +79,15 @@ class _Scratch:
         self.found = torch.zeros((), dtype=torch.float32, device=device)
 
 
+def _in_compiled_code() -> bool:
+    """Whether a hook runs in torch.compile'd code, where it must run eagerly.  Dynamo calls a
+    hook at a graph break (it is marked not to be inlined), but then traces the hook's own frame
+    (it holds tensors): there ``torch.compiler.is_compiling()`` reads True, before dynamo meets
+    the builtin :func:`compiled_region_active` calls, which it warns it cannot trace.  Run with
+    dynamo's frame evaluation on and not traced, the hook finds the callback set."""
+    return torch.compiler.is_compiling() or compiled_region_active()
+
+
 # (module name, call, direction, recompute, statistics table (the inputs' item rows first, then
 # the outputs'), the outputs' numel, their dtype, the inputs' item rows): what
 # diagnostics.read_activations reduces.
@@ -111,7 +125,10 @@ class Tracer:
         self._calls = {}
 
     # -- hooks
+    @not_traced
     def _forward(self, name: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if _in_compiled_code():  # (torch.compile(model): run eagerly, at a graph break)
+            return eager(Tracer._forward)(self, name, module, args, kwargs, output)
         if not self._handles:
             return
         tensors = floating_tensors(output)
@@ -132,7 +149,10 @@ class Tracer:
                 if t.requires_grad:
                     t.register_hook(hook)
 
+    @not_traced
     def _backward(self, name: str, call: int, grad: torch.Tensor) -> None:
+        if _in_compiled_code():  # (a backward inside a compiled function)
+            return eager(Tracer._backward)(self, name, call, grad)
         if self._handles and grad.dtype in _DTYPES and grad.layout == torch.strided:
             self._record(name, call, "backward", False, [grad], [])
 

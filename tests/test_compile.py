@@ -172,3 +172,35 @@ def test_import_does_not_load_dynamo() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, after = out.stdout.split()
     assert after == before, "import ampfused imported torch._dynamo"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_model_with_traced_activations_is_quiet_and_records_as_eager(backend: str) -> None:
+    """torch.compile(model) under watch(model, activations=True): the tracing hooks run eagerly
+    at graph breaks, with no warning from dynamo (this module turns "Dynamo does not know how to
+    trace" into an error: the hooks' kernel call, or the eval-frame callback they read, met in
+    a traced frame), and record the rows an eager model records, bit for bit."""
+
+    def rows(compile_it: bool) -> list[tuple]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampfused.GradScaler("cpu", **SCALER_KW).watch(model, activations=True)
+        run = torch.compile(model, backend=backend) if compile_it else model
+        for x in [torch.randn(4, 6) for _ in range(3)]:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = run(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        torch._dynamo.reset()
+        report = scaler.report()
+        return [(a.module, a.direction, a.abs_max, a.numel, a.dtype) for a in report.activations]
+
+    eager = rows(False)
+    assert len(eager) == 10  # (5 modules, forward and backward)
+    assert rows(True) == eager

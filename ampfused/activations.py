@@ -69,6 +69,20 @@ def floating_tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
+def chains(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """The model's plain ``nn.Sequential`` modules (``forward`` not overridden), each with its
+    children's names in the order it calls them: nothing runs between two consecutive children
+    but autocast's casts, so a run of them is an island as tight as one module (the report's
+    island suggestions read this)."""
+    out = {}
+    for name, module in model.named_modules():
+        if type(module).forward is torch.nn.Sequential.forward:
+            children = [child for child, _ in module.named_children()]
+            if len(children) == len(module):  # (a module held twice is called twice)
+                out[name] = tuple(f"{name}.{c}" if name else c for c in children)
+    return out
+
+
 class _Scratch:
     """Per device: the unit state (scale 1) the read-only pass reads, and what it writes that
     nobody reads (the pending update, found_inf)."""
@@ -112,6 +126,7 @@ class Tracer:
             module.register_forward_hook(functools.partial(self._forward, name), with_kwargs=True)
             for name, module in select_modules(model, which, "watch: activations")
         ]
+        self.chains = chains(model)
 
     def remove(self) -> None:
         """Removes every hook (backward hooks already set on this iteration's outputs record

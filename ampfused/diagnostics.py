@@ -160,6 +160,9 @@ class StepReport:
             ``scale / reference.scale`` are what this step's gradients would have been without
             the overflow (the weights differ by that iteration's optimizer step):
             :attr:`fitting_scale` and :attr:`suggested_islands` read them.
+        chains: with traced activations: the watched model's plain ``nn.Sequential`` modules,
+            each with its children's names in call order (nothing runs between two of them but
+            autocast's casts, so consecutive children make one island).
     """
 
     step: int
@@ -170,6 +173,7 @@ class StepReport:
     rank: int | None = None
     activations: list[ActivationStats] = field(default_factory=list, repr=False)
     reference: StepReport | None = field(default=None, repr=False)
+    chains: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def forward_origin(self) -> ActivationStats | None:
@@ -216,31 +220,44 @@ class StepReport:
     def suggested_islands(self) -> list[str]:
         """Module names whose float32 island (``ampfused.keep_float32(model, names)``) the
         traced data shows would keep this step's overflow from happening; [] when it shows
-        none (``str(report)`` says why).
+        none (``str(report)`` says why and what else to do; ``keep_float32`` with [] changes
+        nothing and warns).
 
         A forward overflow: the forward origin (its parent when its inputs already held
-        inf/NaN).  A backward overflow (no forward origin): the smallest module holding every
+        inf/NaN).  A backward overflow (no forward origin): the smallest island holding every
         traced gradient that exceeded its dtype's range at this scale together with the module
         whose backward computed it (for a parameter gradient, its module): inside an island
-        all of that runs in float32, while with a smaller island code between them computes the
-        gradient in float16.  Only gradients known to exceed the range count, which takes
-        :attr:`reference` (an overflowed gradient is inf/NaN in this trace, which an op making
-        NaN also gives); and it is suggested only when every traced gradient outside it is
-        known to fit: finite in this trace, or in :attr:`reference` once scaled to this scale.
-        Gradients of untraced code between modules are not measured.  :attr:`smallest_island`
-        is that module whether or not the trace shows it suffices.
+        all of that runs in float32, while outside it the gradient is float16, in code between
+        the modules or at the island's edge, where autocast's cast hands it back in float16.
+        The island is one module, or consecutive children of a plain ``nn.Sequential``
+        (:attr:`chains`: nothing runs between them but those casts).  Only gradients known to
+        exceed the range count, which takes :attr:`reference` (an overflowed gradient is
+        inf/NaN in this trace, which an op making NaN also gives); and it is suggested only
+        when every traced gradient outside it is known to fit: finite in this trace, or in
+        :attr:`reference` once scaled to this scale.  Gradients of untraced code between
+        modules are not measured.  :attr:`needed_islands` is that island whether or not the
+        trace shows it suffices.
         """
         forward = self.forward_origin
         if forward is not None:
             return [forward.module if forward.inputs_finite else forward.module.rpartition(".")[0]]
         backward = self._backward
-        return [] if backward is None or backward.island is None else [backward.island]
+        return [] if backward is None or backward.island is None else list(backward.island)
+
+    @property
+    def needed_islands(self) -> list[str]:
+        """For a backward overflow: the modules a float32 island would have to hold at least
+        (see :attr:`suggested_islands`: one module, or consecutive children of an
+        ``nn.Sequential``), as ``keep_float32`` takes them, whether or not the trace shows that
+        they suffice; [] when only the whole model would, or there is no backward overflow."""
+        backward = self._backward
+        return [] if backward is None or backward.run == ("",) else list(backward.run)
 
     @property
     def smallest_island(self) -> str | None:
-        """For a backward overflow: the smallest module a float32 island would have to hold
-        (see :attr:`suggested_islands`), whether or not the trace shows that it suffices; None
-        when only the whole model would, or there is no backward overflow."""
+        """For a backward overflow: the smallest single module a float32 island would have to
+        hold (the one holding :attr:`needed_islands`), whether or not the trace shows that it
+        suffices; None when only the whole model would, or there is no backward overflow."""
         backward = self._backward
         return None if backward is None else backward.region or None
 
@@ -362,15 +379,20 @@ class _Quantity:
     def limit(self) -> float:
         return torch.finfo(self.dtype).max
 
-    def inside(self, region: str) -> bool:
-        """Computed in float32 inside an island on `region`: a parameter gradient of a module
-        in it, or the output gradient of a module strictly inside (region's own output
-        gradient is computed by its consumer, outside)."""
+    def inside(self, run: tuple[str, ...]) -> bool:
+        """Computed in float32 inside an island on the modules of `run` (one module, or
+        consecutive children of an nn.Sequential): a parameter gradient of a module in it, or
+        the output gradient of a module strictly inside, or of a module of the run but the last
+        (computed by the next one's backward; the last one's is computed by its consumer,
+        outside)."""
         if self.module is None:
             return False
-        if region == "" or self.module.startswith(region + "."):
-            return True
-        return self.param and self.module == region
+        for k, region in enumerate(run):
+            if region == "" or self.module.startswith(region + "."):
+                return True
+            if self.module == region and (self.param or k < len(run) - 1):
+                return True
+        return False
 
 
 def _quantities(report: StepReport) -> list[_Quantity]:
@@ -426,6 +448,51 @@ def _common_module(names: list[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
+
+
+def _child_holding(parent: str, name: str) -> str:
+    """The child of module `parent` that holds module `name` (strictly inside it)."""
+    rest = name[len(parent) + 1 :] if parent else name
+    head = rest.split(".")[0]
+    return f"{parent}.{head}" if parent else head
+
+
+def _island_run(cover: list[str], chains: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The smallest island holding every module of `cover`: their innermost common module, or,
+    where that is a plain nn.Sequential not itself in `cover`, the run of its consecutive
+    children from the first holding one of them to the last (the gradient passes through every
+    child between, and between two children nothing runs but autocast's casts)."""
+    common = _common_module(cover)
+    children = chains.get(common)
+    if not children or common in cover:
+        return (common,)
+    index = {c: i for i, c in enumerate(children)}
+    held = [index.get(_child_holding(common, name)) for name in cover]
+    if any(i is None for i in held):  # (a name the chain does not know: keep to the module)
+        return (common,)
+    first, last = min(held), max(held)  # type: ignore[type-var]
+    run = children[first : last + 1]
+    return (common,) if len(run) == len(children) else run
+
+
+def _consecutive(producer: str | None, origin: str, chains: dict[str, tuple[str, ...]]) -> bool:
+    """Whether `origin`'s output goes straight into `producer` in an nn.Sequential: nothing
+    between them but autocast's casts."""
+    if producer is None:
+        return False
+    children = chains.get(origin.rpartition(".")[0] if "." in origin else "", ())
+    return (
+        origin in children
+        and producer in children
+        and children.index(producer) == children.index(origin) + 1
+    )
+
+
+def _names(run: tuple[str, ...]) -> str:
+    """A run of modules for the report's text."""
+    if len(run) == 1:
+        return run[0] or "<model>"
+    return f"{', '.join(run[:-1])} and {run[-1]}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -492,18 +559,20 @@ class _BackwardOverflow:
                 producer = report._producer(rows[q.key[1:]])
                 cover.append("" if producer is None else producer)
         self.region = _common_module(cover)
-        # Why no island, when none: what outside the region is not known to fit.
+        # The island: that module, or the run of its children that holds them.
+        self.run = _island_run(cover, report.chains)
+        # Why no island, when none: what outside the island is not known to fit.
         self.outside = next(
             (
                 q
                 for q in self.now
-                if not q.inside(self.region)
+                if not q.inside(self.run)
                 and (self.level[q.key] is None or self.level[q.key] > q.limit)
             ),
             None,
         )
-        shown = bool(self.exceeding) and self.region != "" and self.outside is None
-        self.island = self.region if shown else None
+        shown = bool(self.exceeding) and self.run != ("",) and self.outside is None
+        self.island = self.run if shown else None
 
     def lines(self) -> list[str]:
         report = self.report
@@ -579,26 +648,52 @@ class _BackwardOverflow:
         )
 
     def _island_lines(self) -> list[str]:
-        report, region = self.report, self.region
+        report, run, region = self.report, self.run, self.region
         origin, producer = report.backward_origin, report.backward_producer
         if origin is not None:
+            took_in = origin.module or "<model>"
             holding = (
-                f"{producer or '<model>'}, whose backward computed the gradient, and "
-                f"{origin.module or '<model>'}, which takes it in (with a smaller island, code "
-                "between them computes the gradient in float16)"
+                f"{producer or '<model>'}, whose backward computed the gradient, and {took_in}, "
+                "which takes it in"
             )
+            if _consecutive(producer, origin.module, report.chains):
+                why = (
+                    f"nothing runs between them but autocast's casts, yet an island on "
+                    f"{producer} alone would hand the gradient back to {took_in} in float16, "
+                    "through the cast at its edge"
+                )
+            else:
+                why = "with a smaller island, code between them computes the gradient in float16"
+            holding = f"{holding} ({why})"
         else:
             modules = sorted(
                 {q.module or "<model>" for q in self.now if q.param and q.level is None}
             )
             holding = f"{', '.join(modules)}, whose parameter gradients it computes in float32"
+        # The gradients over the range at this scale that widen the island beyond those.
+        if origin is not None:
+            named = {producer or "<model>", origin.module or "<model>"}
+        else:
+            named = set(modules)
+        extra = [q.label for q in self.exceeding if (q.module or "<model>") not in named]
+        if extra:
+            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            listed = ", ".join(extra[:3]) + more
+            them = "it" if len(extra) == 1 else "them"
+            holding += f"; and {listed}, over the range at this scale, with what computes {them}"
+        if len(run) == 1:
+            kind = f"the smallest module holding {holding}"
+        else:
+            kind = (
+                f"consecutive children of the nn.Sequential {region or '<model>'}, the smallest "
+                f"island holding {holding}"
+            )
         if self.island is not None:
-            ranked = [(self.level[q.key] / q.limit, q) for q in self.now if not q.inside(region)]
+            ranked = [(self.level[q.key] / q.limit, q) for q in self.now if not q.inside(run)]
             _, q = max(ranked, key=lambda b: b[0])
             source = "" if q.level is not None else f", from step {report.reference.step}"
             return [
-                f"  to run it in float32: ampfused.keep_float32(model, [{region!r}]), the "
-                f"smallest module holding {holding}",
+                f"  to run it in float32: ampfused.keep_float32(model, {list(run)!r}), {kind}",
                 f"    every traced gradient outside it fits at scale {report.scale:g} (the "
                 f"closest to its range: {q.label}, {self.level[q.key]:.4g}{source})",
             ]
@@ -607,17 +702,20 @@ class _BackwardOverflow:
                 "  no float32 island can be shown to help: the trace does not make it an overflow"
             ]
         otherwise = (
-            "    without an island: the backoff, or a model change that keeps the gradient "
-            f"within range in the backward of {producer or 'the modules above'}"
+            "    what else: a lower scale (the backoff gets there at a skipped step per halving; "
+            "GradScaler(..., init_scale=S) starts there, and policy='headroom' under "
+            "watch(model, activations=True) moves the scale by the traced gradients' "
+            "magnitudes before they overflow), or a model change that keeps the gradient within "
+            f"range in the backward of {producer or 'the modules above'}"
         )
-        if region == "":
+        if run == ("",):
             return [
                 f"  no float32 island smaller than the whole model holds {holding}",
                 otherwise,
             ]
         lines = [
             "  no float32 island can be shown to help from this trace; one would have to hold "
-            f"at least {region}, the smallest module holding {holding}"
+            f"at least {_names(run)}, {kind}; report.needed_islands lists them"
         ]
         q = self.outside
         if q is None:  # (nothing is known to have exceeded the range: no reference)
@@ -710,16 +808,27 @@ def build_report(
     names: dict[int, str],
     order: dict[int, int],
     activations: list[ActivationStats] | None = None,
+    chains: dict[str, tuple[str, ...]] | None = None,
 ) -> StepReport:
     """Reduces the iteration's tables into a report: one (grad_stats, [position, numel] per
     gradient, the optimizer's flat parameter list the positions index) per pass and device.
-    ``names``/``order`` map id(param) to its watched name and rank."""
+    ``names``/``order`` map id(param) to its watched name and rank; ``chains``: the traced
+    model's nn.Sequential modules (StepReport.chains)."""
     r = _Reduced(passes, names, order)
     grads = [
         GradStats(name, norm, row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]), numel)
         for name, norm, row, numel in zip(r.names, r.norms, r.rows.tolist(), r.numels, strict=True)
     ]
-    return StepReport(r.step, r.scale, r.skipped, grads, r.total_norm, _rank(), activations or [])
+    return StepReport(
+        r.step,
+        r.scale,
+        r.skipped,
+        grads,
+        r.total_norm,
+        _rank(),
+        activations or [],
+        chains=chains or {},
+    )
 
 
 def read_activations(rows: Iterable[Row]) -> list[ActivationStats]:
@@ -941,7 +1050,8 @@ class Watch:
         # before it (read only for a backward overflow).
         rows, before = (self.tracer.now, self.last) if self.now else (self.tracer.last, self.before)
         traced_before = self.tracer.last if self.now else self.traced_before
-        report = build_report(passes, self.names, self.order, read_activations(rows))
+        chains = self.tracer.chains
+        report = build_report(passes, self.names, self.order, read_activations(rows), chains)
         if not report._in_backward or not before or not traced_before:
             return report
         passes = [(t, pn, flat_params(groups)) for t, pn, groups in before]

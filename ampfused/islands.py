@@ -13,6 +13,7 @@ as before, and ``island.remove()`` takes it away.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -139,19 +140,38 @@ def keep_float32(model: torch.nn.Module, modules: Any) -> Island:
             an iterable of both.
 
     Returns:
-        the :class:`Island`; ``island.remove()`` goes back to mixed precision.
+        the :class:`Island`; ``island.remove()`` goes back to mixed precision.  An empty list
+        (``scaler.report().suggested_islands`` where the trace shows no island that helps)
+        changes nothing: an empty Island, and a ``UserWarning`` saying where to look instead.
 
     Raises:
         TypeError: `modules` is neither names nor types; a chosen module holds float16 or
             bfloat16 parameters (a model converted with ``.half()``: its layers cannot compute
             in float32 without float32 weights; train it under ``torch.autocast`` instead, or
             keep that module's parameters float32).
-        ValueError: a name the model does not have, or nothing chosen.
+        ValueError: a name the model does not have, or types no module of the model has.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"keep_float32: model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    if not isinstance(modules, (str, type, bool)):
+        try:
+            modules = list(modules)
+        except TypeError:
+            pass  # (refused by select_modules, which names what it takes)
+        else:
+            if not modules:
+                warnings.warn(
+                    "keep_float32: no module given, so nothing runs in float32.  An empty "
+                    "scaler.report().suggested_islands means the trace shows no island that "
+                    "lets the step through: print(scaler.report()) says why, which modules an "
+                    "island would have to hold at least (report.needed_islands) and what else "
+                    "to do (a lower scale, policy='headroom').",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return Island([])
     chosen = select_modules(model, modules, "keep_float32: modules")
     for name, module in chosen:
         low = next((p for p in module.parameters() if p.dtype in _LOW), None)

@@ -165,6 +165,24 @@ def check_gpt2_attention(ns: dict[str, Any], out: str) -> None:
     assert "it started in code of transformer.h.1.attn that no traced module covers" in out, out
 
 
+def check_convnet_backward(ns: dict[str, Any], out: str) -> None:
+    """A backward overflow in the first step: no island shown, the reason the model's own."""
+    assert "overflow started in backward: 1 output gradient" in out, out
+    assert "computed in the backward of 2" in out, out
+    assert "at least 1 and 2, consecutive children of the nn.Sequential <model>" in out, out
+    assert "nothing runs between them but autocast's casts" in out, out
+    assert "keep_float32" not in out and ns["scaler"].report().suggested_islands == [], out
+
+
+def check_convnet_no_island(ns: dict[str, Any], out: str) -> None:
+    assert out.split() == ["[]", "['1',", "'2']"], out
+
+
+def check_convnet_policies(ns: dict[str, Any], out: str) -> None:
+    """The skipped steps and scales the page quotes."""
+    assert out.split() == ["torch", "13", "8.0", "headroom", "0", "2.0"], out
+
+
 def check_headroom(ns: dict[str, Any], out: str) -> None:
     """The scale moved off its start of 1.0, the magnitude keeps its headroom, nothing skipped
     (was tests/test_headroom_policy.py's README test)."""
@@ -191,6 +209,9 @@ def check_lightning_norms(ns: dict[str, Any], out: str) -> None:
 
 
 CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
+    "convnet-backward": check_convnet_backward,
+    "convnet-no-island": check_convnet_no_island,
+    "convnet-policies": check_convnet_policies,
     "gpt2-mlp": check_gpt2_mlp,
     "gpt2-island": check_gpt2_island,
     "gpt2-attention": check_gpt2_attention,

@@ -9,8 +9,11 @@ The models: a transformers Llama (2 layers, eager and sdpa attention) whose laye
 weight is scaled up by 4,096 and ``v_proj`` down by as much (the forward unchanged, the
 backward's gradient overflowing inside the attention, or in ``v_proj``'s weight gradient at
 lower scales); a GPT-2 and a convnet with a forward overflow (from ``test_activations``); a
-GPT-2 whose MLP makes NaN in backward at a chosen step.  Float16 autocast on the CPU, SGD with
-lr 0 (the weights never move, so the iteration before an overflow is an exact reference).
+GPT-2 whose MLP makes NaN in backward at a chosen step; the issue's nn.Sequential convnet whose
+backward overflows in conv2's or the last Linear's input gradient (an island there may be a run
+of consecutive children; the first step's report suggests none, and ``keep_float32`` with that
+empty suggestion changes nothing).  Float16 autocast on the CPU, SGD with lr 0 (the weights
+never move, so the iteration before an overflow is an exact reference).
 """
 
 from __future__ import annotations
@@ -269,3 +272,102 @@ def test_no_island_when_the_scale_does_not_explain_it():
     assert region == "transformer.h.0.mlp"
     assert skipped_at(model, gpt2_loss, report.scale, [region])
     assert skipped_at(model, gpt2_loss, 1.0)
+
+
+# ------------------------------------------------------------------------------- nn.Sequential
+# The issue's convnet (issue 37 §5): an nn.Sequential whose backward overflows in conv2's input
+# gradient (its weight x3e4) or in the last Linear's (x1e5).  Between two children of an
+# nn.Sequential nothing runs but autocast's casts, so an island may be a run of consecutive
+# children.
+def sequential_convnet(blow: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+    with torch.no_grad():
+        if blow == "conv2":
+            model[2].weight.mul_(3e4)
+        else:
+            model[6].weight.mul_(1e5)
+    return model
+
+
+def sequential_loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        return nn.functional.cross_entropy(model(x), y)
+
+
+# (the module whose weight is blown up: the run an island needs at least at the first step, the
+# backward origin, its producer)
+SEQUENTIAL_CASES = {"conv2": (["1", "2"], "1", "2"), "linear": (["5", "6"], "5", "6")}
+
+
+@pytest.mark.parametrize("blow", SEQUENTIAL_CASES)
+def test_sequential_first_overflow_suggests_nothing_and_the_documented_line_is_safe(blow):
+    """The first step at torch's default scale overflows in backward: no finite trace, so no
+    island can be shown to help.  The documented ``keep_float32(model,
+    report.suggested_islands)`` then changes nothing and warns; the report's reason is the
+    model's own (nothing but autocast's casts between the two modules: an island on the producer
+    alone hands the gradient back in float16), and it is true: that island alone does not let
+    the step through; the report says what to do instead."""
+    needed, origin, producer = SEQUENTIAL_CASES[blow]
+    model = sequential_convnet(blow)
+    report = iterations(model, sequential_loss, [65536.0])
+    assert report.skipped and report.forward_origin is None and report.reference is None
+    assert report.backward_origin.module == origin and report.backward_producer == producer
+    assert suggestion(report) == []
+    assert report.needed_islands == needed
+    assert report.smallest_island is None  # (no single module smaller than the model)
+    text = str(report)
+    assert "code between them" not in text, text
+    assert "nothing runs between them but autocast's casts" in text, text
+    assert f"an island on {producer} alone would hand the gradient back to {origin}" in text
+    assert f"one would have to hold at least {needed[0]} and {needed[1]}," in text
+    assert "policy='headroom'" in text and "init_scale=" in text
+    assert skipped_at(model, sequential_loss, 65536.0, [producer])
+    with pytest.warns(UserWarning, match="no module given, so nothing runs in float32"):
+        island = ampfused.keep_float32(model, report.suggested_islands)
+    assert island.names == [] and "forward" not in vars(model[int(producer)])
+    island.remove()
+
+
+def test_sequential_run_it_suggests_lets_the_step_through():
+    """With a finite step before it, the Linear x1e5 convnet's overflow at scale 8 needs conv1
+    to conv2 in float32 (their weight gradients pass 65,504): the report suggests the run of
+    children 0, 1 and 2, which lets the step through, where the shorter runs do not."""
+    model = sequential_convnet("linear")
+    report = iterations(model, sequential_loss, [2.0, 8.0])
+    assert report.skipped and report.reference is not None
+    names = suggestion(report)
+    assert names == ["0", "1", "2"], str(report)
+    assert "consecutive children of the nn.Sequential <model>" in str(report)
+    assert not skipped_at(model, sequential_loss, 8.0, names)
+    for shorter in (["1", "2"], ["2"]):
+        assert skipped_at(model, sequential_loss, 8.0, shorter), shorter
+
+
+@pytest.mark.parametrize("blow", SEQUENTIAL_CASES)
+def test_sequential_what_else_the_report_says_works(blow):
+    """The report's "what else": torch's rule backs off one skipped step per halving (13 and 15
+    of them here, from 65,536), where policy='headroom' under watch(model, activations=True)
+    starts at 1.0 and moves the scale by the traced magnitudes: no step skipped."""
+    skipped = {}
+    for policy in ("torch", "headroom"):
+        model = sequential_convnet(blow)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = ampfused.GradScaler("cpu", policy=policy).watch(model, activations=True)
+        for _ in range(20):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(sequential_loss(model)).backward()
+            scaler.step(opt)
+            scaler.update()
+        skipped[policy] = scaler.counters()["skipped_steps"]
+    assert skipped == {"torch": {"conv2": 13, "linear": 15}[blow], "headroom": 0}, skipped

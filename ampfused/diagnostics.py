@@ -97,6 +97,10 @@ class ActivationStats:
         recompute: a forward call that activation checkpointing re-ran during backward.
         inputs_finite: (forward) its floating inputs held no inf/NaN; a module whose inputs did
             was not where the overflow started.
+        zeros: elements exactly zero (in a float16 gradient, true zeros and values lost to
+            underflow alike: only a float32 recompute tells them apart).
+        subnormal: finite elements with 0 < |x| < 2**-14, float16's smallest normal (in
+            float16, its subnormals: kept with fewer than 11 significant bits).
     """
 
     module: str
@@ -110,10 +114,18 @@ class ActivationStats:
     dtype: torch.dtype
     recompute: bool = False
     inputs_finite: bool = True
+    zeros: int = 0
+    subnormal: int = 0
 
     @property
     def non_finite(self) -> int:
         return self.pos_inf + self.neg_inf + self.nan
+
+    @property
+    def subnormal_share(self) -> float:
+        """subnormal as a fraction of the nonzero finite elements (0.0 if none)."""
+        nonzero = self.numel - self.zeros - self.non_finite
+        return self.subnormal / nonzero if nonzero > 0 else 0.0
 
     @property
     def headroom(self) -> float:
@@ -292,7 +304,42 @@ class StepReport:
         """The gradients that held inf/NaN, first offender first."""
         return [g for g in self.grads if g.non_finite]
 
+    @property
+    def underflow(self) -> list[ActivationStats]:
+        """The traced float16 activation gradients (backward rows) that held subnormal values
+        (0 < |x| < 2**-14: kept with fewer bits, and a sign that more were lost to zero), the
+        largest share of their nonzero elements first."""
+        rows = [a for a in self._rows("backward") if a.dtype == torch.float16 and a.subnormal]
+        return sorted(rows, key=lambda a: -a.subnormal_share)
+
+    @property
+    def subnormal_share(self) -> float | None:
+        """The subnormal share of every traced float16 activation gradient's nonzero finite
+        elements together (None without traced float16 gradients)."""
+        rows = [a for a in self._rows("backward") if a.dtype == torch.float16]
+        nonzero = sum(a.numel - a.zeros - a.non_finite for a in rows)
+        return sum(a.subnormal for a in rows) / nonzero if nonzero else None
+
+    def _underflow_lines(self) -> list[str]:
+        share, rows = self.subnormal_share, self.underflow
+        if share is None or not rows:
+            return []
+        lines = [
+            f"  float16 activation gradients below 2**-14 (subnormal): {share:.2%} of the "
+            "nonzero ones; most in:"
+        ]
+        for a in rows[:_LISTED]:
+            call = f" (call {a.call})" if a.call else ""
+            lines.append(
+                f"    {a.module or '<model>'}{call} output gradient: {a.subnormal_share:.2%} of "
+                f"{a.numel - a.zeros - a.non_finite} nonzero (largest |x| {a.abs_max:.4g})"
+            )
+        return lines
+
     def __str__(self) -> str:
+        return "\n".join([self._summary(), *self._underflow_lines()])
+
+    def _summary(self) -> str:
         where = "" if self.rank is None else f" (rank {self.rank})"
         head = (
             f"ampfused step {self.step}{where}: scale {self.scale:g}, "
@@ -844,24 +891,40 @@ def read_activations(rows: Iterable[Row]) -> list[ActivationStats]:
         inputs_bad = bool(items[:input_rows, 2:5].sum() > 0)
         items = items[input_rows:]
         abs_max = float(items[:, 1].max()) if len(items) else 0.0
-        counts = items[:, 2:5].sum(dim=0).tolist() if len(items) else [0.0, 0.0, 0.0]
+        # +inf, -inf, NaN, zeros, subnormal
+        counts = items[:, 2:7].sum(dim=0).tolist() if len(items) else [0.0] * 5
         key = (name, call, direction, recompute)
         entry = merged.get(key)
         if entry is None:
-            merged[key] = [abs_max, *counts, numel, dtype, not inputs_bad]
+            merged[key] = [abs_max, counts, numel, dtype, not inputs_bad]
         else:
             entry[0] = max(entry[0], abs_max)
-            entry[1:4] = [a + b for a, b in zip(entry[1:4], counts, strict=True)]
-            entry[4] += numel
-            if torch.finfo(dtype).max > torch.finfo(entry[5]).max:
-                entry[5] = dtype
-            entry[6] = entry[6] and not inputs_bad
-    return [
-        ActivationStats(
-            name, call, direction, v[0], int(v[1]), int(v[2]), int(v[3]), v[4], v[5], rc, v[6]
+            entry[1] = [a + b for a, b in zip(entry[1], counts, strict=True)]
+            entry[2] += numel
+            if torch.finfo(dtype).max > torch.finfo(entry[3]).max:
+                entry[3] = dtype
+            entry[4] = entry[4] and not inputs_bad
+    out = []
+    for (name, call, direction, rc), (abs_max, c, numel, dtype, inputs_ok) in merged.items():
+        pos_inf, neg_inf, nan, zeros, subnormal = map(int, c)
+        out.append(
+            ActivationStats(
+                name,
+                call,
+                direction,
+                abs_max,
+                pos_inf,
+                neg_inf,
+                nan,
+                numel,
+                dtype,
+                rc,
+                inputs_ok,
+                zeros,
+                subnormal,
+            )
         )
-        for (name, call, direction, rc), v in merged.items()
-    ]
+    return out
 
 
 def _rank() -> int | None:

@@ -473,7 +473,7 @@ def test_report_counts_subnormal_activation_gradients() -> None:
 
         return hook
 
-    for name in ("conv1", "conv2", "head"):
+    for name in ("conv1", "bn1", "conv2", "head"):  # (every leaf module: all are traced)
         model.get_submodule(name).register_forward_hook(capture(name))
     # scale 2**-6: the small float16 gradients of a tiny loss land in the subnormal range
     scaler = ampfused.GradScaler("cpu", init_scale=2.0**-6)
@@ -491,7 +491,9 @@ def test_report_counts_subnormal_activation_gradients() -> None:
     rows = {a.module: a for a in report.activations if a.direction == "backward"}
     total_sub = total_nonzero = 0
     for name, g in captured.items():
-        assert g.dtype == torch.float16
+        if g.dtype != torch.float16:  # (bn1 runs in float32 under autocast: not counted)
+            assert rows[name].dtype != torch.float16
+            continue
         sub, nonzero = share(g)
         assert rows[name].subnormal == sub and rows[name].numel - rows[name].zeros == nonzero
         total_sub, total_nonzero = total_sub + sub, total_nonzero + nonzero

@@ -190,6 +190,17 @@ def check_headroom(ns: dict[str, Any], out: str) -> None:
     assert float(scale) > 1.0 and 0 < float(magnitude) <= HALF_MAX / 4 and skipped == "0", out
 
 
+def check_underflow(ns: dict[str, Any], out: str) -> None:
+    """The report's underflow lines and the rows the example prints agree, worst first, and the
+    too-low scale leaves most of the first layer's output gradients subnormal."""
+    report = ns["report"]
+    assert "float16 activation gradients below 2**-14 (subnormal)" in out, out
+    printed = [line.split() for line in out.splitlines() if line.endswith("%") and " " in line]
+    rows = [r for r in printed if len(r) == 4]
+    assert [r[0] for r in rows] == [a.module for a in report.underflow] and rows, out
+    assert all(int(r[1]) <= int(r[2]) for r in rows) and report.underflow[0].subnormal_share > 0.5
+
+
 def check_ops(ns: dict[str, Any], out: str) -> None:
     assert out.split() == ["0.0", "65536.0", "1"], out
     assert ns["tracker"].dtype == torch.int32 and ns["next_tracker"].dtype == torch.int32
@@ -219,6 +230,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "lightning-norms": check_lightning_norms,
     "ops": check_ops,
     "swap-cpu": check_swap_cpu,
+    "underflow": check_underflow,
 }
 
 

@@ -366,7 +366,9 @@ def test_pass_measures_and_updates_as_reference(
         found = torch.zeros((), device=device)
         table = None
         if stats:
-            table = torch.empty(ops.grad_stats_rows(grads), 6, dtype=torch.float64, device=device)
+            table = torch.empty(
+                ops.grad_stats_rows(grads), len(ops.STAT_FIELDS), dtype=torch.float64, device=device
+            )
         args = (grads, found, state, nxt, table, *TORCH, check_only)
         impl.scaler_pass_(*args, False, HEADROOM)
         first = reference.state_to_list(nxt)

@@ -88,7 +88,7 @@ SUBNORMAL_MAX = 5e-4  # the target: at most 0.05% of nonzero activation gradient
 GLOBAL_LEAVES = 0.05  # ... in every module where the global scale leaves more than 5%
 STEP_VS_UNTRACED, STEP_VS_TRACED = 1.25, 1.1  # the step time's targets
 
-FULL = Form({"bert-tiny": 1000, "llama-tiny": 1000}, spike_every=300, noise_seeds=(2,))
+FULL = Form({"bert-tiny": 1000, "llama-tiny": 1000}, spike_every=300, noise_seeds=(2, 3))
 QUICK = Form({"bert-tiny": 100, "llama-tiny": 100}, spike_every=60, sample_every=20, first=20,
              last=20)  # fmt: skip
 # step timing: (warm-up steps, rounds) per form; the warm-up covers torch's first overflows
@@ -526,7 +526,8 @@ def text(result: dict[str, Any], tablefmt: str) -> str:
 
 def plot(result: dict[str, Any], out: Path, title: str) -> Path:
     """islands.png: the whole model's subnormal share of activation gradients at each sampled
-    step, one panel per model, one line per policy; the target (0.05%) and the 5% line."""
+    step, one panel per model, one line per policy; the target (0.05%), the 5% line and the
+    planted spikes (not sampled) marked."""
 
     def draw(ax: Any, name: str) -> None:
         for r in policy._main_runs(result, name):
@@ -536,6 +537,8 @@ def plot(result: dict[str, Any], out: Path, title: str) -> Path:
                 ax.plot(*zip(*points, strict=True), "o-", ms=3, label=r["policy"])
         ax.axhline(100 * SUBNORMAL_MAX, color="green", lw=0.8, ls=":", label="target 0.05%")
         ax.axhline(100 * GLOBAL_LEAVES, color="grey", lw=0.8, ls=":", label="5%: judged above")
+        for k, s in enumerate(result["tasks"][name]["spikes"]):
+            ax.axvline(s, color="grey", lw=0.8, ls="--", label="planted spike" if k == 0 else None)
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.set_ylim(0, 100)
         ax.set(title=name, xlabel="step", ylabel="subnormal activation gradients, % of nonzero")

@@ -12,8 +12,9 @@ Which file holds what, from the top down (a module imports only modules below it
     sharded_grad_scaler  ShardedGradScaler: torch's FSDP1 scaler on GradScaler
     grad_scaler          GradScaler: the protocol (unscale_, step, update, the stages)
     _no_kernels          GradScaler and friends where no kernels could be had
-    _clip, diagnostics   fused unscale + clip; watch() and its reports
+    _clip, diagnostics   fused unscale + clip; watch() and the statistics it reads
     activations          activation tracing (watch(activations=...)): where an overflow starts
+    report               StepReport and its rows and advice (pure host code over the rows)
     _grad_pass           the pass: which route gradients take, the agreement across ranks
     master_weights       MasterWeights: float32 masters for float16/bfloat16 models
     _scale_state         the scale's state and policy, pending update, checkpoints, checks

@@ -6,6 +6,7 @@ plot are checked, with the islands policy as the column it becomes once the scal
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import ampfused
 from benchmarks import compare, islands, policy
+from benchmarks.env import REPO
 from benchmarks.policy import TINY, Trace
 from benchmarks.report import CONSOLE_WIDTH
 from benchmarks.suite import Context
@@ -281,3 +283,45 @@ def test_unavailable_policy_shows_as_such(tmp_path: Path) -> None:
     assert r["status"] == "n/a" and "no_such_keyword" in r["note"]
     assert set(out["tasks"]["llama-tiny"]["step_ms"]) == {islands.TORCH}
     assert "not available" in islands.text(out, "simple")
+
+
+# --------------------------------------------------------------------------- the docs
+COMMITTED = REPO / "benchmarks" / "results" / "cpu" / "islands" / "results.md"
+DOC = REPO / "docs" / "benchmarks.md"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _tables(text: str) -> list[str]:
+    """The markdown tables of ``text``, each as its lines."""
+    out, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            out.append("\n".join(block))
+            block = []
+    return out
+
+
+def test_docs_quote_the_committed_run() -> None:
+    """docs/benchmarks.md's section holds the committed run's tables as results.md has them,
+    its time and its load, and no percentage the run did not print."""
+    results = COMMITTED.read_text()
+    ours = _section(results, "Islands")
+    doc = _section(DOC.read_text(), "Every layer's activation gradients")
+    tables = _tables(ours)
+    assert len(tables) == 3  # a table per model, the targets
+    for table in tables:
+        assert table in doc, "paste the committed results.md's islands tables into the docs"
+    seconds = re.search(r"^`python -m benchmarks --only islands[^`]*`, (\d+) s\.", results, re.M)
+    others = re.search(r"used (\d+)% of the CPU time", results)
+    assert seconds and others
+    assert f"{seconds[1]} s, with {others[1]}% of the CPU taken by other processes" in doc
+    prose = "\n".join(line for line in doc.splitlines() if not line.startswith("|"))
+    for figure in re.findall(r"\d[\d.]*%", prose):
+        assert figure in results or figure in ("0.05%", "5%"), figure  # (or a target's)

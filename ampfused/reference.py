@@ -200,8 +200,8 @@ def grad_stats(grads: list[Tensor], inv_scale: float | Tensor, check_only: bool)
     - abs_max: max |u| over the finite u (0.0 if none).
     - pos_inf, neg_inf, nan: counts of the INPUT elements v that are +inf, -inf, NaN.
     - zeros: count of u equal to zero (+0.0 or -0.0).
-    - subnormal: count of finite u with 0 < |u| < 2^-14, float16's smallest normal (in a
-      float16 gradient, its subnormals).
+    - subnormal: for a float16 gradient, the count of finite u with 0 < |u| < 2^-14, float16's
+      smallest normal (its subnormals); 0 for the other dtypes.
     """
     inv = float(inv_scale.item()) if isinstance(inv_scale, Tensor) else float(inv_scale)
     inv32 = torch.tensor(inv, dtype=torch.float32)
@@ -228,7 +228,9 @@ def grad_stats(grads: list[Tensor], inv_scale: float | Tensor, check_only: bool)
                     float(torch.isneginf(v).sum()),
                     float(torch.isnan(v).sum()),
                     float((u == 0).sum()),
-                    float(((u != 0) & (u.abs() < HALF_NORMAL)).sum()),
+                    float(((u != 0) & (u.abs() < HALF_NORMAL)).sum())
+                    if g.dtype == torch.float16
+                    else 0.0,
                 ]
             )
     return torch.tensor(rows, dtype=torch.float64).reshape(-1, STAT_COLUMNS)

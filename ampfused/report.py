@@ -77,8 +77,9 @@ class ActivationStats:
             was not where the overflow started.
         zeros: elements exactly zero (in a float16 gradient, true zeros and values lost to
             underflow alike: only a float32 recompute tells them apart).
-        subnormal: finite elements with 0 < |x| < 2**-14, float16's smallest normal (in
-            float16, its subnormals: kept with fewer than 11 significant bits).
+        subnormal: of float16 elements, the finite ones with 0 < |x| < 2**-14, float16's
+            smallest normal (its subnormals: kept with fewer than 11 significant bits); 0 for
+            the other dtypes, which hold such values in full.
     """
 
     module: str

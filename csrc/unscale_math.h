@@ -377,8 +377,9 @@ enum StatField : int {
   kStatNegInf,          // input elements that were -inf
   kStatNaN,             // input elements that were NaN
   kStatZeros,           // u that are exactly zero (+0 or -0)
-  // finite u with 0 < |u| < 2^-14, float16's smallest normal: in a float16 gradient its
-  // subnormals (kept with fewer than 11 significant bits; below 2^-24 a value is lost to zero)
+  // float16 gradients: finite u with 0 < |u| < 2^-14, float16's smallest normal (its
+  // subnormals: kept with fewer than 11 significant bits; below 2^-24 a value is lost to zero);
+  // 0 for the other dtypes, which hold such values in full (and whose passes pay nothing for it)
   kStatSubnormal,
 };
 enum StatHeader : int {
@@ -468,7 +469,7 @@ struct StatCounts {
   B neg_inf = 0;
   B nan = 0;
   B zeros = 0;
-  B subnormal = 0;
+  B below_normal = 0;  // |u| < 2^-14, zeros included (stat_below_normal16)
   B abs_max_bits = 0;  // max |u| over the finite u, as bits
   B any_max_bits = 0;  // max |u| over all u, as bits (stat_visit without kCountInputs)
   AMPFUSED_INLINE bool found() const { return (pos_inf | neg_inf | nan) != 0; }
@@ -476,12 +477,14 @@ struct StatCounts {
   AMPFUSED_INLINE bool any_non_finite_u() const { return any_max_bits >= StatBits<M>::kInf; }
 };
 
-// 1 if |u| (its bits, sign cleared) is in float16's subnormal range, 0 < |u| < 2^-14: one
-// unsigned compare (|u| = 0 wraps to the largest value).
+// 1 if |u| (its bits, sign cleared, so at most the signed maximum) is below float16's smallest
+// normal 2^-14, zero included: one signed compare, which every vector ISA has.  The subnormal
+// count is this count less the zeros, taken once per row (stat_write_row); float16 items only.
 template <typename M>
-AMPFUSED_INLINE typename StatBits<M>::type stat_is_subnormal16(typename StatBits<M>::type ub) {
+AMPFUSED_INLINE typename StatBits<M>::type stat_below_normal16(typename StatBits<M>::type ub) {
   using B = typename StatBits<M>::type;
-  return static_cast<B>(ub - B{1}) < static_cast<B>(StatBits<M>::kHalfNormal - B{1});
+  using S = std::make_signed_t<B>;
+  return static_cast<B>(static_cast<S>(ub) < static_cast<S>(StatBits<M>::kHalfNormal));
 }
 
 // Counts v as an input element (+inf, -inf, NaN).
@@ -539,7 +542,7 @@ AMPFUSED_INLINE void stat_visit(T& x, opmath_t<T> inv, bool inv_is_one, opmath_t
   lane = stat_add(lane, stat_mul(u, u));
   const B ub = SB::of(u) & ~SB::kSign;
   c.zeros += ub == 0;
-  c.subnormal += stat_is_subnormal16<M>(ub);
+  if constexpr (std::is_same_v<T, c10::Half>) c.below_normal += stat_below_normal16<M>(ub);
   stat_take_finite_abs(ub, c);
   if (!kCountInputs) c.any_max_bits = c.any_max_bits > ub ? c.any_max_bits : ub;
 }
@@ -586,8 +589,8 @@ AMPFUSED_INLINE M stat_item_sum(const M* lanes, int64_t n) {
   return s[0];
 }
 
-// An item's row of grad_stats.
-template <typename M>
+// An item's row of grad_stats, for an item of storage type T.
+template <typename T, typename M>
 AMPFUSED_INLINE void stat_write_row(double* row, M sum_squares, const StatCounts<M>& c) {
   row[kStatSumSquares] = static_cast<double>(sum_squares);
   row[kStatAbsMax] = static_cast<double>(StatBits<M>::value(c.abs_max_bits));
@@ -595,7 +598,8 @@ AMPFUSED_INLINE void stat_write_row(double* row, M sum_squares, const StatCounts
   row[kStatNegInf] = static_cast<double>(c.neg_inf);
   row[kStatNaN] = static_cast<double>(c.nan);
   row[kStatZeros] = static_cast<double>(c.zeros);
-  row[kStatSubnormal] = static_cast<double>(c.subnormal);
+  row[kStatSubnormal] =
+      std::is_same_v<T, c10::Half> ? static_cast<double>(c.below_normal - c.zeros) : 0.0;
 }
 
 // Everything one pass needs, as raw pointers on the pass's device: built by the op kernels

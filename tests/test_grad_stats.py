@@ -115,8 +115,9 @@ EDGE = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_subnormal_count_at_every_position(device, dtype, check_only):
     """Each edge value planted alone in a run of ones, at a head, a lane of every vector
-    position, the last full vector and the tail, at scale 1 (u = v): the subnormal column counts
-    exactly the values in (0, 2^-14), whatever the path (SIMD body, scalar tail, CUDA lanes)."""
+    position, the last full vector and the tail, at scale 1 (u = v): in a float16 gradient the
+    subnormal column counts exactly the values in (0, 2^-14), whatever the path (SIMD body,
+    scalar tail, CUDA lanes); the other dtypes count none."""
     lanes = 16 // torch.tensor([], dtype=dtype).element_size()
     n = 3 * L[dtype] + 2 * lanes + 3  # several lane groups, then a partial vector
     positions = sorted(
@@ -129,13 +130,14 @@ def test_subnormal_count_at_every_position(device, dtype, check_only):
         g[0] = value
         stored = abs(float(g[0]))  # (rounded to the dtype: 2**-14 * (1 - 2**-10) is 2**-14 in
         counted = counted and 0 < stored < 2.0**-14  # bfloat16)
+        counted = counted and dtype == torch.float16  # (the other dtypes hold these in full)
         planted += counted
         for pos in positions:
             g = torch.ones(n, dtype=dtype)
             g[pos] = value
             table = _check([g.to(device)], scale=1.0, check_only=check_only)
             assert table[1, col].item() == int(counted), (name, pos)
-    assert planted >= 2  # (the premise: every dtype holds some values of the range)
+    assert planted == (4 if dtype == torch.float16 else 0)  # (the premise)
 
 
 def _unscaled(g: torch.Tensor, scale: float) -> torch.Tensor:

@@ -283,7 +283,7 @@ AMPFUSED_INLINE bool stats_item(T* __restrict p, int64_t n, opmath_t<T> inv, dou
     }
     if (!kCountInputs && c.any_non_finite_u()) count_inputs_of_run(q, m, c);
   }
-  stat_write_row(row, stat_item_sum<M, V>(lanes, n), c);
+  stat_write_row<T>(row, stat_item_sum<M, V>(lanes, n), c);
   return c.found();
 }
 
@@ -308,8 +308,7 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
   const __m256i zero32 = _mm256_setzero_si256();
   const __m256i normal32 = _mm256_set1_epi32(static_cast<int32_t>(StatBits<float>::kHalfNormal));
   // Counted by subtracting all-ones masks; 16-bit lanes hold an item's 65536 / 8 at most.
-  // `below` counts |u| < 2^-14, zeros included (a signed compare: |u|'s bits are at most
-  // INT32_MAX); the subnormal count is below - zeros.
+  // `below` counts |u| < 2^-14, zeros included (stat_below_normal16).
   __m128i pos = _mm_setzero_si128(), neg = pos, nan = pos;
   __m256i zeros = zero32, below = zero32, maxbits = zero32;
   StatCounts<float> c;
@@ -365,10 +364,10 @@ __attribute__((target("avx2,f16c"))) bool stats_half_f16c(c10::Half* p, int64_t 
     c.neg_inf += c16[1][k];
     c.nan += c16[2][k];
     c.zeros += c32[0][k];
-    c.subnormal += c32[2][k] - c32[0][k];
+    c.below_normal += c32[2][k];
     c.abs_max_bits = std::max(c.abs_max_bits, c32[1][k]);
   }
-  stat_write_row(row, stat_item_sum<float, kStatVec<c10::Half>>(lanes, n), c);
+  stat_write_row<c10::Half>(row, stat_item_sum<float, kStatVec<c10::Half>>(lanes, n), c);
   return c.found();
 }
 // The 16-bit formats with AVX-512F, 16 elements per step (load16_avx512/store16_avx512; float16
@@ -390,10 +389,8 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
   const __m512i abs32 = _mm512_set1_epi32(0x7fffffff);
   const __m512i inf32 = _mm512_set1_epi32(static_cast<int32_t>(kFloatExpMask));
   const __m512i one32 = _mm512_set1_epi32(1);
-  // (stat_is_subnormal16: |u| - 1 < 2^-14 - 1, unsigned)
-  const __m512i normal_m1 =
-      _mm512_set1_epi32(static_cast<int32_t>(StatBits<float>::kHalfNormal - 1));
-  __m512i zeros = _mm512_setzero_si512(), subnormal = zeros, maxbits = zeros;
+  const __m512i normal32 = _mm512_set1_epi32(static_cast<int32_t>(StatBits<float>::kHalfNormal));
+  __m512i zeros = _mm512_setzero_si512(), below = zeros, maxbits = zeros;
   StatCounts<float> c;
   for (int64_t j = 0; j < n; j += L) {
     T* q = p + j;
@@ -416,8 +413,9 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
       _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), _mm512_mul_ps(u, u)));
       const __m512i ub = _mm512_and_si512(_mm512_castps_si512(u), abs32);
       zeros = _mm512_mask_add_epi32(zeros, _mm512_testn_epi32_mask(ub, ub), zeros, one32);
-      const __mmask16 sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(ub, one32), normal_m1);
-      subnormal = _mm512_mask_add_epi32(subnormal, sub, subnormal, one32);
+      if constexpr (std::is_same_v<T, c10::Half>) {  // (float16 only: kStatSubnormal)
+        below = _mm512_mask_add_epi32(below, _mm512_cmplt_epi32_mask(ub, normal32), below, one32);
+      }
       if (kCountInputs) {
         maxbits = _mm512_mask_max_epu32(maxbits, _mm512_cmplt_epu32_mask(ub, inf32), maxbits, ub);
       } else {
@@ -440,9 +438,9 @@ __attribute__((target("avx512f"))) bool stats16_avx512(T* p, int64_t n, float in
     }
   }
   c.zeros += static_cast<uint32_t>(_mm512_reduce_add_epi32(zeros));
-  c.subnormal += static_cast<uint32_t>(_mm512_reduce_add_epi32(subnormal));
+  c.below_normal += static_cast<uint32_t>(_mm512_reduce_add_epi32(below));
   c.abs_max_bits = std::max(c.abs_max_bits, _mm512_reduce_max_epu32(maxbits));
-  stat_write_row(row, stat_item_sum<float, kStatVec<T>>(lanes, n), c);
+  stat_write_row<T>(row, stat_item_sum<float, kStatVec<T>>(lanes, n), c);
   return c.found();
 }
 #pragma GCC diagnostic pop

@@ -160,7 +160,7 @@ __device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is
   constexpr int kFields = 6;
   __shared__ B warp_fields[kStatThreads / 32][kFields];
   sums[tid] = stat_thread_sum<M, kVec>(lanes);
-  B f[kFields] = {c.pos_inf, c.neg_inf, c.nan, c.zeros, c.subnormal, c.abs_max_bits};
+  B f[kFields] = {c.pos_inf, c.neg_inf, c.nan, c.zeros, c.below_normal, c.abs_max_bits};
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
 #pragma unroll
@@ -184,10 +184,10 @@ __device__ bool process_chunk_stats(T* data, int n, opmath_t<T> inv, bool inv_is
       total.neg_inf += warp_fields[w][1];
       total.nan += warp_fields[w][2];
       total.zeros += warp_fields[w][3];
-      total.subnormal += warp_fields[w][4];
+      total.below_normal += warp_fields[w][4];
       if (warp_fields[w][5] > total.abs_max_bits) total.abs_max_bits = warp_fields[w][5];
     }
-    stat_write_row(row, sums[0], total);
+    stat_write_row<T>(row, sums[0], total);
     if (measure_scale > 0.0f) {
       const uint32_t f = stat_magnitude_bits(StatBits<M>::value(total.abs_max_bits), measure_scale);
       mag = f > mag ? f : mag;

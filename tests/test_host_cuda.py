@@ -517,6 +517,50 @@ def test_captured_pass_owns_its_workspace(host) -> None:  # noqa: ANN001
             assert_same(got, exp, f"captured pass held after {held_blocks} blocks: tensor {k}")
 
 
+def test_two_threads_queue_passes_on_one_stream(host) -> None:  # noqa: ANN001
+    """Two host threads queue scaler passes on one stream, as two Python threads do on one CUDA
+    device: one queues passes of two launches (2033 items) with an inf among the first
+    launch's items, the other passes of one launch without any.  The layer runs the launches of both
+    one at a time, in the order they were queued (runtime.h), so the one-launch passes run
+    between the first pass's launches: each pass must find its own inf and only its own.  A
+    pass of several launches that took the stream's shared workspace would hand its first
+    launch's flag to the other thread's pass (a false inf there), whose last block re-zeroes
+    it (the inf missed here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    host.configure(36, 2, 3, False)
+    two = _many(LARGE - 3, (F32,), 7000)  # 2033 items: two launches
+    two[0][3] = INF
+    one = [_values(n, F32, n) for n in (5, 300, 2 * CHUNK + 1)]
+    policy = [2.0, 0.5, 3, -INF, INF, 1, True, False]  # check-only: the gradients are shared
+
+    def passes(grads: list[torch.Tensor], count: int) -> list[tuple[float, torch.Tensor]]:
+        out = []
+        for _ in range(count):
+            found, nxt = torch.full((1,), -1.0), torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+            host.scaler_pass_(grads, found, state(), nxt, None, *policy)
+            out.append((found.item(), nxt))
+        return out
+
+    def expected(grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+        found, nxt = torch.full((1,), -1.0), torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+        torch.ops.ampfused.scaler_pass_(grads, found, state(), nxt, None, *policy)
+        return found.item(), nxt
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(passes, two, 12), pool.submit(passes, one, 24)]
+        results = [r.result() for r in runs]
+    handovers = host.stream_handovers()
+    wrong = []
+    for what, grads, got in zip(("two-launch", "one-launch"), (two, one), results, strict=True):
+        want_found, want_next = expected(grads)
+        for k, (found, nxt) in enumerate(got):
+            if found != want_found or not torch.equal(nxt, want_next):
+                wrong.append(f"{what} pass {k}: found_inf {found}, want {want_found}")
+    assert not wrong, f"{len(wrong)} of 36 passes: " + "; ".join(wrong)
+    assert handovers >= 12, handovers  # the threads' launches really interleaved
+
+
 def test_scaler_update(host) -> None:  # noqa: ANN001
     host.configure(3, 1, 1, False)
     policies = [

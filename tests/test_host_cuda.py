@@ -27,6 +27,7 @@ beyond the workspace words, real concurrency inside a block, speed) stays for a 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -219,6 +220,13 @@ def state(scale: float = 2.0**16, tracker: int = 0, hysteresis_left: int = 1) ->
     s[0:1].view(F32).fill_(scale)
     s[1], s[2] = tracker, hysteresis_left
     s[3:] = torch.arange(3, ops.STATE_SIZE, dtype=torch.int32) * 7  # counters carried along
+    return s
+
+
+def fresh_state(scale: float, hysteresis: int = 1) -> torch.Tensor:
+    """A new scaler's state (reference.initial_state): nothing measured, no ceiling, no cap."""
+    s = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+    reference.state_from_list(reference.initial_state(scale, hysteresis), s)
     return s
 
 
@@ -419,6 +427,99 @@ def test_statistics_rows_at_launch_boundaries(host) -> None:  # noqa: ANN001
         host, "scaler_pass_", args + [_stats_table(grads), 2.0, 0.5, 3, -INF, INF, 1, False, False]
     )
     assert host.counters()[0] == 3, host.counters()
+
+
+# ------------------------------------------------------ the headroom policy's measurement and rule
+VEC_BYTES = 16  # the kernel's vector (csrc/cuda/multi_tensor_apply.cuh, kVecBytes)
+BLOCK = 512  # threads per block (kBlockSize): vector i of an item is thread i % BLOCK's
+HALF_MAX = reference.HALF_MAX
+
+
+def _finite_max(dtype: torch.dtype, rng: random.Random) -> float:
+    """A largest value finite in `dtype` (float16's below 65504), of a random mantissa and
+    sign: a float16 set measures a finite magnitude only below float16's largest value."""
+    top = 2.0**15 if dtype == F16 else 2.0**40
+    v = top * (1.0 + 0.95 * rng.random())
+    return float(torch.tensor(-v if rng.random() < 0.5 else v).to(dtype).item())
+
+
+def _placements(dtype: torch.dtype) -> list[tuple[str, int, int, int]]:
+    """(where, view offset in elements past a 16-byte boundary, view length, index) for the
+    largest element: at every element of the scalar head of every misaligned offset; at every
+    lane of a vector, in even and odd threads of several warps and at each of the kUnroll
+    loads in flight (vector i, u = i // BLOCK); at every element of the scalar tail."""
+    vec = VEC_BYTES // dtype.itemsize
+    nvec, tail = 3 * BLOCK + 70, vec - 1
+    out = []
+    for offset in range(1, vec):
+        head = vec - offset
+        out += [("head", offset, head + 5 * vec + tail, j) for j in range(head)]
+    for offset in (0, vec - 1):
+        head = (vec - offset) % vec
+        length = head + nvec * vec + tail
+        for lane in range(vec):
+            for i in (
+                2 * lane + 1,
+                32 * (lane + 1) + 2 * lane,
+                BLOCK * (1 + lane % 3) + 2 * lane + 7,
+            ):
+                out.append((f"lane {lane} of vector {i}", offset, length, head + i * vec + lane))
+            out.append(
+                (f"lane {lane} of the last vector", offset, length, head + (nvec - 1) * vec + lane)
+            )
+        out += [("tail", offset, length, head + nvec * vec + j) for j in range(tail)]
+    return out
+
+
+def _planted(
+    dtype: torch.dtype, offset: int, length: int, index: int, value: float, seed: int
+) -> torch.Tensor:
+    """A view of `length` elements starting `offset` elements past a 16-byte boundary, values
+    below |value| / 2 in magnitude, `value` at `index`."""
+    base = _values(offset + length + 8, dtype, seed)
+    base.clamp_(-abs(value) / 2, abs(value) / 2)
+    view = base[offset : offset + length]
+    assert view.data_ptr() % VEC_BYTES == offset * dtype.itemsize % VEC_BYTES
+    view[index] = value
+    return view
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=str)
+def test_magnitude_wherever_the_largest_element_sits(host, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The headroom policy's measurement, one scaler_pass_ per place of a gradient's largest
+    element (_placements: every element of each misaligned view's scalar head, every lane of a
+    vector in even and odd threads, in several warps and at each unrolled load, every element of
+    the tail), its value finite in the dtype (a float16 one below 65504), in writing and
+    check-only passes, some with statistics: the state's magnitude must be the reference's,
+    |largest element|, and every tensor the same bits three ways.  A head measured after it is
+    unscaled in place, a vector's lanes measured in part, a block maximum that drops odd
+    threads: each measures less, and the cap and the scale follow it."""
+    rng = random.Random(dtype.itemsize)
+    host.configure(dtype.itemsize, 2, 3, False)
+    policy = (2.0, 0.5, 3, -INF, INF, 1)
+    magnitude = ops.STATE_FIELDS.index("magnitude")
+    for k, (where, offset, length, index) in enumerate(_placements(dtype)):
+        value = _finite_max(dtype, rng)
+        grads = [_planted(dtype, offset, length, index, value, k)]
+        want = reference.magnitude(grads)
+        assert want == abs(value) or dtype == F64, (want, value)  # (float64: rounded to float32)
+        # (with statistics, every other placement, writing and check-only in turn: 512 fibers
+        # each summing their lanes make those passes the slow ones)
+        modes = [(False, False), (True, False)] + ([(k % 4 == 0, True)] if k % 4 < 2 else [])
+        for check_only, stats in modes:
+            case = (
+                f"{dtype}, largest element {value} at {where} (view offset {offset}, index "
+                f"{index}), check_only={check_only}, statistics={stats}"
+            )
+            table = _stats_table(grads) if stats else None
+            nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+            args = [grads, torch.zeros(1), fresh_state(2.0**12), nxt, table, *policy]
+            args += [check_only, False, 8.0]
+            alone = copies(args)  # the host layer's measurement first, for the message
+            host.scaler_pass_(*alone)
+            got = alone[3][magnitude : magnitude + 1].view(F32).item()
+            assert got == want, f"{case}: measured {got}, want {want}"
+            run_three(host, "scaler_pass_", args)
 
 
 # ----------------------------------------------------------------- the launchers' hand-off

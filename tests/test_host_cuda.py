@@ -522,6 +522,132 @@ def test_magnitude_wherever_the_largest_element_sits(host, dtype: torch.dtype) -
             run_three(host, "scaler_pass_", args)
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32, as a Python float."""
+    return torch.tensor(x, dtype=F64).to(F32).item()
+
+
+def _ulps(x: float, k: int) -> float:
+    """The float32 `k` units in the last place above (below, k < 0) the positive float32 x."""
+    b = torch.tensor(x, dtype=F32).view(torch.int32).item() + k
+    return torch.tensor(b, dtype=torch.int32).view(F32).item()
+
+
+def _rule_case(rng: random.Random) -> tuple[float, list[Any], tuple, float, float]:
+    """One iteration's verdict, state, policy, headroom and measured magnitude, at random and
+    near the rule's boundaries: a cap on or a few float32 ulps beside the scale times a power
+    of the growth factor, history entries and a ceiling there too, bounds at or beside the
+    scale, the tracker one short of the growth interval, hysteresis used up (hysteresis_left
+    0, as after every backoff) or not, counters and the count since the last backoff at their
+    wrap and window edges."""
+    growth = rng.choice([2.0, 2.0, 1.5, 3.0, 4.0, 1.0001, 1.0 + 3.0 * rng.random()])
+    backoff = rng.choice([0.5, 0.5, 0.25, 0.9, 0.999, 0.05 + 0.9 * rng.random()])
+    interval = rng.choice([1, 2, 3, 5, 2000])
+    hysteresis = rng.choice([1, 1, 2, 3, 5])
+    headroom = rng.choice(
+        [0.0, 8.0, 10.0, 1.0, 3.5, 1.0 + 99.0 * rng.random(), 1e4 * rng.random() + 1]
+    )
+    scale = _f32(2.0 ** rng.randint(-30, 40) * rng.choice([1.0, 1.0, 1.0 + rng.random()]))
+
+    def near(x: float) -> float:
+        x = _f32(x)
+        return _ulps(x, rng.randint(-2, 2)) if 0 < x < 3e38 else x
+
+    target = near(scale * growth ** rng.randint(-3, 3))  # a cap near a factor's boundary
+    at_target = near(HALF_MAX * scale / (max(_f32(headroom), 1.0) * target))
+    magnitude = rng.choice(
+        [0.0, 1e-30, 3e38, _f32(HALF_MAX * 2.0 ** rng.uniform(-20, 0)), at_target, at_target]
+    )
+    low = rng.choice(
+        [-INF, -INF, scale, near(scale), near(scale * backoff), _f32(scale * rng.random())]
+    )
+    high = rng.choice(
+        [INF, INF, scale, near(scale), near(scale * growth), _f32(scale * 8 * rng.random())]
+    )
+    if low > high:
+        low, high = high, low
+    policy = (growth, backoff, interval, low, high, hysteresis)
+    counters = [rng.choice([0, rng.randint(0, 100), 2**31 - 1, -(2**31)]) for _ in range(6)]
+    tracker = max(0, rng.choice([0, interval - 1, interval - 2, rng.randint(0, interval)]))
+    since = rng.choice(
+        [2**31 - 1, 0, reference.CEILING_WINDOW - 1, reference.CEILING_WINDOW, interval - 1]
+        + [rng.randint(1, 3) * interval - 1, rng.randint(0, 100)]
+    )
+    ceiling = rng.choice(
+        [INF, INF, scale, near(scale), near(scale * growth), near(scale / backoff)]
+    )
+    history = [
+        rng.choice([INF, INF, INF, target, near(target), scale, near(scale * growth)])
+        for _ in range(reference.HISTORY)
+    ]
+    left = rng.randint(0, hysteresis)  # 0: used up (after a backoff, or hysteresis overflows)
+    st = [scale, tracker, left, *counters, 0.0, ceiling, since]
+    found = rng.choice([0.0, 0.0, 0.0, 1.0, 2.0, NAN])
+    return found, st + history, policy, headroom, magnitude
+
+
+def _state_tensor(values: list[Any]) -> torch.Tensor:
+    """reference.update_state's list as the ops' int32 state."""
+    s = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+    reference.state_from_list(values, s)
+    return s
+
+
+def test_update_rule_on_random_states_near_its_boundaries(host) -> None:  # noqa: ANN001
+    """scaler_update_ (the update of the last block of every scaler pass) on random policies,
+    headrooms (not only 8), states and magnitudes near the rule's rounding and comparison
+    boundaries (_rule_case), held three ways: every field of the next state, bit for bit.  The
+    cap is float64 arithmetic rounded once to float32: a float32 computation of it differs from
+    it by an ulp in many of these cases (headroom 10, magnitude 6369.617 at scale 65536:
+    67396.047 against 67396.055); an overflow with hysteresis used up backs off."""
+    host.configure(5, 1, 1, False)
+    rng = random.Random(36)
+    cases = [_rule_case(rng) for _ in range(1500)]
+    pinned = reference.initial_state(65536.0)
+    cases.append((0.0, pinned, (2.0, 0.5, 2000, -INF, INF, 1), 10.0, _f32(6369.617)))
+    for hysteresis in (1, 2, 3):  # hysteresis used up: overflow after a backoff
+        used_up = reference.initial_state(2.0**10, hysteresis)
+        used_up[2] = 0
+        for headroom in (0.0, 8.0):
+            cases.append((1.0, used_up, (2.0, 0.5, 3, -INF, INF, hysteresis), headroom, 0.0))
+    magnitude = ops.STATE_FIELDS.index("magnitude")
+    for found, st, policy, headroom, measured in cases:
+        nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+        nxt[magnitude : magnitude + 1].view(F32).fill_(measured)
+        args = [torch.tensor([found]), _state_tensor(st), nxt, *policy, headroom]
+        run_three(host, "scaler_update_", args)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_update_rule_over_runs_of_overflows(host, seed: int) -> None:  # noqa: ANN001
+    """Iterations through scaler_pass_, each pass's next state the next one's state, with runs
+    of consecutive overflowing iterations longer than the hysteresis (each backoff leaves
+    hysteresis_left at 0, and every later overflow of the run must back off again), clean runs
+    whose magnitude moves near the cap's boundaries, random policies and headrooms: every
+    iteration's tensors three ways."""
+    rng = random.Random(100 + seed)
+    host.configure(seed, 2, 3, False)
+    _, _, (growth, _, interval, _, _, hysteresis), headroom, _ = _rule_case(rng)
+    policy = (growth, rng.choice([0.5, 0.25, 0.9]), interval, -INF, INF, hysteresis)
+    st = fresh_state(2.0**12, hysteresis)
+    base = _values(300, F32, seed)
+    backoffs = 0
+    for i in range(60):
+        run = (i // 6) % 2 == 1  # six overflowing iterations, six clean, ...
+        grads = [base * rng.uniform(0.5, 2.0)]
+        if run:
+            grads[0][rng.randrange(300)] = rng.choice([INF, -INF, NAN])
+        nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+        args = [grads, torch.zeros(1), st, nxt, None, *policy, rng.random() < 0.3, False]
+        out = run_three(host, "scaler_pass_", args + [headroom])
+        before, after = reference.state_to_list(st), reference.state_to_list(out[3])
+        if run and before[2] == 0:
+            assert after[0] < before[0] or after[8] > before[8], (i, before, after)
+            backoffs += 1
+        st = out[3].clone()
+    assert backoffs >= 5, backoffs  # overflows with hysteresis used up really happened
+
+
 # ----------------------------------------------------------------- the launchers' hand-off
 def test_launch_counts(host) -> None:  # noqa: ANN001
     """The plan the tests above rely on: how many launches each set takes, and that blocks ran."""

@@ -842,6 +842,53 @@ def test_clip_factor(host, n_items: int) -> None:  # noqa: ANN001
                     run_three(host, "clip_factor_", args)
 
 
+def _zero_sum_table(
+    n_items: int, abs_max: float, counts: tuple[float, float, float]
+) -> torch.Tensor:
+    """A table whose every sum of squares is 0 (zero gradients, or squares that underflowed
+    float32's opmath: |u| below 2^-75), with `abs_max` in the last row and the (pos_inf,
+    neg_inf, nan) counts in the first."""
+    t = torch.zeros(1 + n_items, len(ops.STAT_FIELDS), dtype=F64)
+    t[0, :3] = torch.tensor([2.0**16, 4.0, 1.0 if any(counts) else 0.0])
+    t[1:, 5] = 100.0
+    t[n_items, 1] = abs_max
+    t[1, 2:5] = torch.tensor(counts, dtype=F64)
+    return t
+
+
+def test_clip_factor_when_the_squares_sum_to_zero(host) -> None:  # noqa: ANN001
+    """clip_factor_ where the sum of squares is 0 but the largest magnitude is not (the inf norm
+    is that magnitude: 1e-30 stays 1e-30), where everything is 0 (the factor is max_norm /
+    1e-6, clamped: with max_norm below 1e-6 it is below 1), and with non-finite counts, for
+    max_norm down to 0: the total and the factor three ways.  Then the same from gradients whose
+    squares underflow, through a check-only pass's statistics as the scaler's clip runs it."""
+    host.configure(0, 1, 1, False)
+    max_norms = (0.0, 1e-12, 1e-7, 5e-7, 9.999e-7, 1e-6, 1.0000001e-6, 1.0, 1e30)
+    for n_items in (1, 3, 300):
+        for abs_max in (0.0, 1e-30, 1e-40, 2.0**-75, 1e-7):
+            for counts in ((0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 0.0, 2.0)):
+                table = _zero_sum_table(n_items, abs_max, counts)
+                for st in (state(2.0**16), state(3.0), None):
+                    for norm_type in (2.0, INF):
+                        for max_norm in max_norms:
+                            out = [torch.full((1,), -1.0), torch.full((1,), -1.0)]
+                            args = [table, st, *out, max_norm, norm_type]
+                            run_three(host, "clip_factor_", args)
+    for values in (1e-30, 0.0, -(2.0**-80)):
+        grads = [torch.full((n,), values, dtype=d) for n, d in ((5, F32), (70, F32), (9, BF16))]
+        grads[1][3] = values * 3  # the largest
+        table = _stats_table(grads)
+        nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+        args = [grads, torch.zeros(1), state(1.0), nxt, table, 2.0, 0.5, 3, -INF, INF, 1]
+        out = run_three(host, "scaler_pass_", args + [True, False])
+        for norm_type in (2.0, INF):
+            for max_norm in max_norms:
+                clip = [out[4], out[2], torch.full((1,), -1.0), torch.full((1,), -1.0)]
+                total = run_three(host, "clip_factor_", clip + [max_norm, norm_type])[2]
+                if norm_type == INF:
+                    assert total.item() == _f32(abs(values * 3)), (values, total)
+
+
 # ------------------------------------------------------------------------------ unscale_into_
 INTO_SETS: dict[str, Callable[[], list[torch.Tensor]]] = {
     "sizes": lambda: [

@@ -14,21 +14,29 @@ blocks in flight at every atomic, fence and workspace access under a relaxed mem
 Kernels and what drives them here:
 - unscale_kernel, all 16 variants (check-only/writing x float-only/mixed x with/without
   statistics x two launch capacities): the unscale family and scaler_pass_;
+- the headroom policy's measurement with a gradient's largest element, finite, at each place a
+  thread reads it (every element of a scalar head, every lane of a vector, the tail), and the
+  update rule on random policies, headrooms and states near its rounding boundaries;
 - the launchers' plan: one and several launches (epilogues kSetFlag, kAccumulate, kFinish), the
   shared per-stream workspace and its re-zeroing, a private one under graph capture (held
-  half-run while eager passes run);
+  half-run while eager passes run), passes of two host threads queued on one stream;
 - the last-block hand-off under many seeded interleavings, with up to 8 blocks in flight;
-- clip_factor_kernel; unscale_into_kernel (both capacities); finish_pass through scaler_update_.
+- clip_factor_kernel (zero sums of squares, max_norm down to 0); unscale_into_kernel (both
+  capacities); finish_pass through scaler_update_.
 
 What this cannot show (nvcc's code generation beyond FMA contraction, the GPU's memory model
 beyond the workspace words, real concurrency inside a block, speed) stays for a GPU: .ci/gpu.
+Code that nvcc's device pass alone compiles (__CUDA_ARCH__) would never run here:
+test_no_device_only_branch_escapes_the_layer keeps csrc/ free of it.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1032,6 +1040,115 @@ def test_every_kernel_of_csrc_cuda_is_executed(host) -> None:  # noqa: ANN001
     launched = {line.rsplit(" ", 1)[0] for line in host.kernels_launched()}
     assert launched >= _kernel_names(), sorted(_kernel_names() - launched)
     assert len(_kernel_names()) == 27
+
+
+# ------------------------------------------------------------ what the layer cannot execute
+# Names that select code by compiler pass: nvcc's device pass (__CUDA_ARCH__ and its kin), nvcc
+# itself in either pass (__CUDACC__, __NVCC__), libcu++'s target macros, and the layer's own
+# build (AMPFUSED_HOST_CUDA).  Code under any of them runs on a GPU and not here, or here and
+# not on a GPU: the three-way tests above cannot see it.
+DEVICE_ONLY = re.compile(
+    r"\b(__CUDA_ARCH\w*|__CUDACC\w*|__NVCC__|__NVCOMPILER\w*|NV_IF_TARGET|NV_IF_ELSE_TARGET"
+    r"|NV_DISPATCH_TARGET|NV_IS_DEVICE|NV_IS_HOST|NV_PROVIDES_SM_\w+|NV_IS_EXACTLY_SM_\w+"
+    r"|AMPFUSED_HOST_CUDA)\b"
+)
+# The conditional groups allowed to use them, with why; a group is its directives and the
+# lines they select, comments dropped, whitespace collapsed.  None: the opening directive only
+# (the seam, whose every line is runtime plumbing).
+ALLOWED_DEVICE_BRANCHES: dict[tuple[str, str], tuple[str | None, str]] = {
+    ("unscale_math.h", "#if defined(__CUDACC__)"): (
+        "#if defined(__CUDACC__) | #define AMPFUSED_HOST_DEVICE __host__ __device__"
+        " | #define AMPFUSED_INLINE __host__ __device__ __forceinline__ | #else"
+        " | #define AMPFUSED_HOST_DEVICE | #define AMPFUSED_INLINE inline"
+        " __attribute__((always_inline)) | #endif",
+        "function qualifiers, no arithmetic",
+    ),
+    ("unscale_math.h", "#if defined(__CUDA_ARCH__)"): (
+        "#if defined(__CUDA_ARCH__) | #define AMPFUSED_CUDA_INTRINSICS 1"
+        ' | #elif defined(AMPFUSED_HOST_CUDA) | #include "host_cuda/intrinsics.h"'
+        " | #define AMPFUSED_CUDA_INTRINSICS 1 | #else | #define AMPFUSED_CUDA_INTRINSICS 0"
+        " | #endif",
+        "CUDA's intrinsics on the device, the layer's definitions of them here: the device "
+        "branches under AMPFUSED_CUDA_INTRINSICS run in both",
+    ),
+    ("cuda/runtime.cuh", "#if defined(AMPFUSED_HOST_CUDA)"): (
+        None,
+        "the seam to a CUDA runtime: host_cuda/runtime.h here, CUDA's runtime on a GPU",
+    ),
+}
+
+
+def _logical_lines(text: str) -> list[str]:
+    """The lines of a C++ source, comments dropped (string literals kept, a block comment's
+    line breaks too), continuation lines joined, whitespace collapsed."""
+
+    def keep(m: re.Match[str]) -> str:
+        s = m.group(0)
+        return s if s.startswith('"') else "\n" * s.count("\n")
+
+    text = re.sub(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', keep, text, flags=re.S)
+    return [" ".join(line.split()) for line in text.replace("\\\n", " ").split("\n")]
+
+
+def _device_only_uses(path: Path, root: Path) -> list[tuple[str, str, str]]:
+    """(file, opening directive, the group's lines joined by " | ") per conditional group
+    (#if ... #endif, nested groups inside) with a device-only name in one of its #if/#elif
+    directives; (file, line, line) per other line that names one."""
+    name = path.relative_to(root).as_posix()
+    out: list[tuple[str, str, str]] = []
+    stack: list[tuple[str, list[str], list[bool]]] = []  # (opening, lines, [device-only])
+    for line in _logical_lines(path.read_text()):
+        directive = re.match(r"#\s*(\w+)", line)
+        kind = directive.group(1) if directive else None
+        named = DEVICE_ONLY.search(line) is not None
+        if kind in ("if", "ifdef", "ifndef"):
+            stack.append((line, [line], [named]))
+            continue
+        if stack and line:
+            stack[-1][1].append(line)
+        if kind in ("elif", "elifdef", "elifndef") and stack:
+            stack[-1][2][0] |= named
+        elif kind == "endif" and stack:
+            opening, lines, device_only = stack.pop()
+            if device_only[0]:
+                out.append((name, opening, " | ".join(lines)))
+            if stack:
+                stack[-1][1].extend(lines)
+        elif kind != "else" and named:
+            out.append((name, line, line))
+    return out
+
+
+def test_no_device_only_branch_escapes_the_layer() -> None:
+    """No code of csrc/ is selected by __CUDA_ARCH__, __CUDACC__ or another name that only nvcc
+    (or only the host layer) defines, outside ALLOWED_DEVICE_BRANCHES: the layer compiles the
+    kernels with the C++ compiler, so such a branch is never executed here, and the CPU
+    kernels never compile it either (a GPU-only hysteresis counter that goes below 0, a cap
+    computed in float32 on the device only, passed every test).  Arithmetic that must differ
+    on a GPU goes under AMPFUSED_CUDA_INTRINSICS, over host definitions of the intrinsics it
+    needs (host_cuda/intrinsics.h), which the layer compiles and runs."""
+    root = Path(__file__).resolve().parents[1] / "csrc"
+    seen: dict[tuple[str, str], int] = {}
+    problems = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in (".h", ".cuh", ".cu", ".cpp") or "host_cuda" in path.parts:
+            continue
+        for name, opening, group in _device_only_uses(path, root):
+            key = (name, opening)
+            seen[key] = seen.get(key, 0) + 1
+            allowed = ALLOWED_DEVICE_BRANCHES.get(key)
+            if allowed is None or seen[key] > 1:
+                problems.append(f"{name}: {opening}")
+            elif allowed[0] is not None and group != allowed[0]:
+                problems.append(f"{name}: {opening} ... changed to: {group}")
+    assert not problems, (
+        "code selected by a name that nvcc's device pass, nvcc or the host layer alone defines, "
+        "which the host execution layer therefore never runs against the CPU kernels (put "
+        "GPU-only arithmetic under AMPFUSED_CUDA_INTRINSICS, with host definitions in "
+        "csrc/host_cuda/intrinsics.h; a new seam goes in ALLOWED_DEVICE_BRANCHES with its "
+        "reason):\n  " + "\n  ".join(problems)
+    )
+    assert set(seen) == set(ALLOWED_DEVICE_BRANCHES), set(ALLOWED_DEVICE_BRANCHES) - set(seen)
 
 
 # ----------------------------------------------------------------------------- the GPU day

@@ -606,13 +606,13 @@ def test_update_rule_on_random_states_near_its_boundaries(host) -> None:  # noqa
     headrooms (not only 8), states and magnitudes near the rule's rounding and comparison
     boundaries (_rule_case), held three ways: every field of the next state, bit for bit.  The
     cap is float64 arithmetic rounded once to float32: a float32 computation of it differs from
-    it by an ulp in many of these cases (headroom 10, magnitude 6369.617 at scale 65536:
+    it by an ulp in many of these cases (headroom 10, magnitude 6369.6167 at scale 65536:
     67396.047 against 67396.055); an overflow with hysteresis used up backs off."""
     host.configure(5, 1, 1, False)
     rng = random.Random(36)
     cases = [_rule_case(rng) for _ in range(1500)]
     pinned = reference.initial_state(65536.0)
-    cases.append((0.0, pinned, (2.0, 0.5, 2000, -INF, INF, 1), 10.0, _f32(6369.617)))
+    cases.append((0.0, pinned, (2.0, 0.5, 2000, -INF, INF, 1), 10.0, 6369.61669921875))
     for hysteresis in (1, 2, 3):  # hysteresis used up: overflow after a backoff
         used_up = reference.initial_state(2.0**10, hysteresis)
         used_up[2] = 0

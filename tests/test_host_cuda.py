@@ -14,20 +14,29 @@ blocks in flight at every atomic, fence and workspace access under a relaxed mem
 Kernels and what drives them here:
 - unscale_kernel, all 16 variants (check-only/writing x float-only/mixed x with/without
   statistics x two launch capacities): the unscale family and scaler_pass_;
+- the headroom policy's measurement with a gradient's largest element, finite, at each place a
+  thread reads it (every element of a scalar head, every lane of a vector, the tail), and the
+  update rule on random policies, headrooms and states near its rounding boundaries;
 - the launchers' plan: one and several launches (epilogues kSetFlag, kAccumulate, kFinish), the
   shared per-stream workspace and its re-zeroing, a private one under graph capture (held
-  half-run while eager passes run);
+  half-run while eager passes run), passes of two host threads queued on one stream;
 - the last-block hand-off under many seeded interleavings, with up to 8 blocks in flight;
-- clip_factor_kernel; unscale_into_kernel (both capacities); finish_pass through scaler_update_.
+- clip_factor_kernel (zero sums of squares, max_norm down to 0); unscale_into_kernel (both
+  capacities); finish_pass through scaler_update_.
 
 What this cannot show (nvcc's code generation beyond FMA contraction, the GPU's memory model
 beyond the workspace words, real concurrency inside a block, speed) stays for a GPU: .ci/gpu.
+Code that nvcc's device pass alone compiles (__CUDA_ARCH__) would never run here:
+test_no_device_only_branch_escapes_the_layer keeps csrc/ free of it.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -219,6 +228,13 @@ def state(scale: float = 2.0**16, tracker: int = 0, hysteresis_left: int = 1) ->
     s[0:1].view(F32).fill_(scale)
     s[1], s[2] = tracker, hysteresis_left
     s[3:] = torch.arange(3, ops.STATE_SIZE, dtype=torch.int32) * 7  # counters carried along
+    return s
+
+
+def fresh_state(scale: float, hysteresis: int = 1) -> torch.Tensor:
+    """A new scaler's state (reference.initial_state): nothing measured, no ceiling, no cap."""
+    s = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+    reference.state_from_list(reference.initial_state(scale, hysteresis), s)
     return s
 
 
@@ -421,6 +437,225 @@ def test_statistics_rows_at_launch_boundaries(host) -> None:  # noqa: ANN001
     assert host.counters()[0] == 3, host.counters()
 
 
+# ------------------------------------------------------ the headroom policy's measurement and rule
+VEC_BYTES = 16  # the kernel's vector (csrc/cuda/multi_tensor_apply.cuh, kVecBytes)
+BLOCK = 512  # threads per block (kBlockSize): vector i of an item is thread i % BLOCK's
+HALF_MAX = reference.HALF_MAX
+
+
+def _finite_max(dtype: torch.dtype, rng: random.Random) -> float:
+    """A largest value finite in `dtype` (float16's below 65504), of a random mantissa and
+    sign: a float16 set measures a finite magnitude only below float16's largest value."""
+    top = 2.0**15 if dtype == F16 else 2.0**40
+    v = top * (1.0 + 0.95 * rng.random())
+    return float(torch.tensor(-v if rng.random() < 0.5 else v).to(dtype).item())
+
+
+def _placements(dtype: torch.dtype) -> list[tuple[str, int, int, int]]:
+    """(where, view offset in elements past a 16-byte boundary, view length, index) for the
+    largest element: at every element of the scalar head of every misaligned offset; at every
+    lane of a vector, in even and odd threads of several warps and at each of the kUnroll
+    loads in flight (vector i, u = i // BLOCK); at every element of the scalar tail."""
+    vec = VEC_BYTES // dtype.itemsize
+    nvec, tail = 3 * BLOCK + 70, vec - 1
+    out = []
+    for offset in range(1, vec):
+        head = vec - offset
+        out += [("head", offset, head + 5 * vec + tail, j) for j in range(head)]
+    for offset in (0, vec - 1):
+        head = (vec - offset) % vec
+        length = head + nvec * vec + tail
+        for lane in range(vec):
+            for i in (
+                2 * lane + 1,
+                32 * (lane + 1) + 2 * lane,
+                BLOCK * (1 + lane % 3) + 2 * lane + 7,
+            ):
+                out.append((f"lane {lane} of vector {i}", offset, length, head + i * vec + lane))
+            out.append(
+                (f"lane {lane} of the last vector", offset, length, head + (nvec - 1) * vec + lane)
+            )
+        out += [("tail", offset, length, head + nvec * vec + j) for j in range(tail)]
+    return out
+
+
+def _planted(
+    dtype: torch.dtype, offset: int, length: int, index: int, value: float, seed: int
+) -> torch.Tensor:
+    """A view of `length` elements starting `offset` elements past a 16-byte boundary, values
+    below |value| / 2 in magnitude, `value` at `index`."""
+    base = _values(offset + length + 8, dtype, seed)
+    base.clamp_(-abs(value) / 2, abs(value) / 2)
+    view = base[offset : offset + length]
+    assert view.data_ptr() % VEC_BYTES == offset * dtype.itemsize % VEC_BYTES
+    view[index] = value
+    return view
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=str)
+def test_magnitude_wherever_the_largest_element_sits(host, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The headroom policy's measurement, one scaler_pass_ per place of a gradient's largest
+    element (_placements: every element of each misaligned view's scalar head, every lane of a
+    vector in even and odd threads, in several warps and at each unrolled load, every element of
+    the tail), its value finite in the dtype (a float16 one below 65504), in writing and
+    check-only passes, some with statistics: the state's magnitude must be the reference's,
+    |largest element|, and every tensor the same bits three ways.  A head measured after it is
+    unscaled in place, a vector's lanes measured in part, a block maximum that drops odd
+    threads: each measures less, and the cap and the scale follow it."""
+    rng = random.Random(dtype.itemsize)
+    host.configure(dtype.itemsize, 2, 3, False)
+    policy = (2.0, 0.5, 3, -INF, INF, 1)
+    magnitude = ops.STATE_FIELDS.index("magnitude")
+    for k, (where, offset, length, index) in enumerate(_placements(dtype)):
+        value = _finite_max(dtype, rng)
+        grads = [_planted(dtype, offset, length, index, value, k)]
+        want = reference.magnitude(grads)
+        assert want == abs(value) or dtype == F64, (want, value)  # (float64: rounded to float32)
+        # (with statistics, every other placement, writing and check-only in turn: 512 fibers
+        # each summing their lanes make those passes the slow ones)
+        modes = [(False, False), (True, False)] + ([(k % 4 == 0, True)] if k % 4 < 2 else [])
+        for check_only, stats in modes:
+            case = (
+                f"{dtype}, largest element {value} at {where} (view offset {offset}, index "
+                f"{index}), check_only={check_only}, statistics={stats}"
+            )
+            table = _stats_table(grads) if stats else None
+            nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+            args = [grads, torch.zeros(1), fresh_state(2.0**12), nxt, table, *policy]
+            args += [check_only, False, 8.0]
+            alone = copies(args)  # the host layer's measurement first, for the message
+            host.scaler_pass_(*alone)
+            got = alone[3][magnitude : magnitude + 1].view(F32).item()
+            assert got == want, f"{case}: measured {got}, want {want}"
+            run_three(host, "scaler_pass_", args)
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32, as a Python float."""
+    return torch.tensor(x, dtype=F64).to(F32).item()
+
+
+def _ulps(x: float, k: int) -> float:
+    """The float32 `k` units in the last place above (below, k < 0) the positive float32 x."""
+    b = torch.tensor(x, dtype=F32).view(torch.int32).item() + k
+    return torch.tensor(b, dtype=torch.int32).view(F32).item()
+
+
+def _rule_case(rng: random.Random) -> tuple[float, list[Any], tuple, float, float]:
+    """One iteration's verdict, state, policy, headroom and measured magnitude, at random and
+    near the rule's boundaries: a cap on or a few float32 ulps beside the scale times a power
+    of the growth factor, history entries and a ceiling there too, bounds at or beside the
+    scale, the tracker one short of the growth interval, hysteresis used up (hysteresis_left
+    0, as after every backoff) or not, counters and the count since the last backoff at their
+    wrap and window edges."""
+    growth = rng.choice([2.0, 2.0, 1.5, 3.0, 4.0, 1.0001, 1.0 + 3.0 * rng.random()])
+    backoff = rng.choice([0.5, 0.5, 0.25, 0.9, 0.999, 0.05 + 0.9 * rng.random()])
+    interval = rng.choice([1, 2, 3, 5, 2000])
+    hysteresis = rng.choice([1, 1, 2, 3, 5])
+    headroom = rng.choice(
+        [0.0, 8.0, 10.0, 1.0, 3.5, 1.0 + 99.0 * rng.random(), 1e4 * rng.random() + 1]
+    )
+    scale = _f32(2.0 ** rng.randint(-30, 40) * rng.choice([1.0, 1.0, 1.0 + rng.random()]))
+
+    def near(x: float) -> float:
+        x = _f32(x)
+        return _ulps(x, rng.randint(-2, 2)) if 0 < x < 3e38 else x
+
+    target = near(scale * growth ** rng.randint(-3, 3))  # a cap near a factor's boundary
+    at_target = near(HALF_MAX * scale / (max(_f32(headroom), 1.0) * target))
+    magnitude = rng.choice(
+        [0.0, 1e-30, 3e38, _f32(HALF_MAX * 2.0 ** rng.uniform(-20, 0)), at_target, at_target]
+    )
+    low = rng.choice(
+        [-INF, -INF, scale, near(scale), near(scale * backoff), _f32(scale * rng.random())]
+    )
+    high = rng.choice(
+        [INF, INF, scale, near(scale), near(scale * growth), _f32(scale * 8 * rng.random())]
+    )
+    if low > high:
+        low, high = high, low
+    policy = (growth, backoff, interval, low, high, hysteresis)
+    counters = [rng.choice([0, rng.randint(0, 100), 2**31 - 1, -(2**31)]) for _ in range(6)]
+    tracker = max(0, rng.choice([0, interval - 1, interval - 2, rng.randint(0, interval)]))
+    since = rng.choice(
+        [2**31 - 1, 0, reference.CEILING_WINDOW - 1, reference.CEILING_WINDOW, interval - 1]
+        + [rng.randint(1, 3) * interval - 1, rng.randint(0, 100)]
+    )
+    ceiling = rng.choice(
+        [INF, INF, scale, near(scale), near(scale * growth), near(scale / backoff)]
+    )
+    history = [
+        rng.choice([INF, INF, INF, target, near(target), scale, near(scale * growth)])
+        for _ in range(reference.HISTORY)
+    ]
+    left = rng.randint(0, hysteresis)  # 0: used up (after a backoff, or hysteresis overflows)
+    st = [scale, tracker, left, *counters, 0.0, ceiling, since]
+    found = rng.choice([0.0, 0.0, 0.0, 1.0, 2.0, NAN])
+    return found, st + history, policy, headroom, magnitude
+
+
+def _state_tensor(values: list[Any]) -> torch.Tensor:
+    """reference.update_state's list as the ops' int32 state."""
+    s = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+    reference.state_from_list(values, s)
+    return s
+
+
+def test_update_rule_on_random_states_near_its_boundaries(host) -> None:  # noqa: ANN001
+    """scaler_update_ (the update of the last block of every scaler pass) on random policies,
+    headrooms (not only 8), states and magnitudes near the rule's rounding and comparison
+    boundaries (_rule_case), held three ways: every field of the next state, bit for bit.  The
+    cap is float64 arithmetic rounded once to float32: a float32 computation of it differs from
+    it by an ulp in many of these cases (headroom 10, magnitude 6369.6167 at scale 65536:
+    67396.047 against 67396.055); an overflow with hysteresis used up backs off."""
+    host.configure(5, 1, 1, False)
+    rng = random.Random(36)
+    cases = [_rule_case(rng) for _ in range(1500)]
+    pinned = reference.initial_state(65536.0)
+    cases.append((0.0, pinned, (2.0, 0.5, 2000, -INF, INF, 1), 10.0, 6369.61669921875))
+    for hysteresis in (1, 2, 3):  # hysteresis used up: overflow after a backoff
+        used_up = reference.initial_state(2.0**10, hysteresis)
+        used_up[2] = 0
+        for headroom in (0.0, 8.0):
+            cases.append((1.0, used_up, (2.0, 0.5, 3, -INF, INF, hysteresis), headroom, 0.0))
+    magnitude = ops.STATE_FIELDS.index("magnitude")
+    for found, st, policy, headroom, measured in cases:
+        nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+        nxt[magnitude : magnitude + 1].view(F32).fill_(measured)
+        args = [torch.tensor([found]), _state_tensor(st), nxt, *policy, headroom]
+        run_three(host, "scaler_update_", args)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_update_rule_over_runs_of_overflows(host, seed: int) -> None:  # noqa: ANN001
+    """Iterations through scaler_pass_, each pass's next state the next one's state, with runs
+    of consecutive overflowing iterations longer than the hysteresis (each backoff leaves
+    hysteresis_left at 0, and every later overflow of the run must back off again), clean runs
+    whose magnitude moves near the cap's boundaries, random policies and headrooms: every
+    iteration's tensors three ways."""
+    rng = random.Random(100 + seed)
+    host.configure(seed, 2, 3, False)
+    _, _, (growth, _, interval, _, _, hysteresis), headroom, _ = _rule_case(rng)
+    policy = (growth, rng.choice([0.5, 0.25, 0.9]), interval, -INF, INF, hysteresis)
+    st = fresh_state(2.0**12, hysteresis)
+    base = _values(300, F32, seed)
+    backoffs = 0
+    for i in range(60):
+        run = (i // 6) % 2 == 1  # six overflowing iterations, six clean, ...
+        grads = [base * rng.uniform(0.5, 2.0)]
+        if run:
+            grads[0][rng.randrange(300)] = rng.choice([INF, -INF, NAN])
+        nxt = torch.full((ops.STATE_SIZE,), -5, dtype=torch.int32)
+        args = [grads, torch.zeros(1), st, nxt, None, *policy, rng.random() < 0.3, False]
+        out = run_three(host, "scaler_pass_", args + [headroom])
+        before, after = reference.state_to_list(st), reference.state_to_list(out[3])
+        if run and before[2] == 0:
+            assert after[0] < before[0] or after[8] > before[8], (i, before, after)
+            backoffs += 1
+        st = out[3].clone()
+    assert backoffs >= 5, backoffs  # overflows with hysteresis used up really happened
+
+
 # ----------------------------------------------------------------- the launchers' hand-off
 def test_launch_counts(host) -> None:  # noqa: ANN001
     """The plan the tests above rely on: how many launches each set takes, and that blocks ran."""
@@ -517,6 +752,50 @@ def test_captured_pass_owns_its_workspace(host) -> None:  # noqa: ANN001
             assert_same(got, exp, f"captured pass held after {held_blocks} blocks: tensor {k}")
 
 
+def test_two_threads_queue_passes_on_one_stream(host) -> None:  # noqa: ANN001
+    """Two host threads queue scaler passes on one stream, as two Python threads do on one CUDA
+    device: one queues passes of two launches (2033 items) with an inf among the first
+    launch's items, the other passes of one launch without any.  The layer runs the launches of both
+    one at a time, in the order they were queued (runtime.h), so the one-launch passes run
+    between the first pass's launches: each pass must find its own inf and only its own.  A
+    pass of several launches that took the stream's shared workspace would hand its first
+    launch's flag to the other thread's pass (a false inf there), whose last block re-zeroes
+    it (the inf missed here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    host.configure(36, 2, 3, False)
+    two = _many(LARGE - 3, (F32,), 7000)  # 2033 items: two launches
+    two[0][3] = INF
+    one = [_values(n, F32, n) for n in (5, 300, 2 * CHUNK + 1)]
+    policy = [2.0, 0.5, 3, -INF, INF, 1, True, False]  # check-only: the gradients are shared
+
+    def passes(grads: list[torch.Tensor], count: int) -> list[tuple[float, torch.Tensor]]:
+        out = []
+        for _ in range(count):
+            found, nxt = torch.full((1,), -1.0), torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+            host.scaler_pass_(grads, found, state(), nxt, None, *policy)
+            out.append((found.item(), nxt))
+        return out
+
+    def expected(grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+        found, nxt = torch.full((1,), -1.0), torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+        torch.ops.ampfused.scaler_pass_(grads, found, state(), nxt, None, *policy)
+        return found.item(), nxt
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(passes, two, 12), pool.submit(passes, one, 24)]
+        results = [r.result() for r in runs]
+    handovers = host.stream_handovers()
+    wrong = []
+    for what, grads, got in zip(("two-launch", "one-launch"), (two, one), results, strict=True):
+        want_found, want_next = expected(grads)
+        for k, (found, nxt) in enumerate(got):
+            if found != want_found or not torch.equal(nxt, want_next):
+                wrong.append(f"{what} pass {k}: found_inf {found}, want {want_found}")
+    assert not wrong, f"{len(wrong)} of 36 passes: " + "; ".join(wrong)
+    assert handovers >= 12, handovers  # the threads' launches really interleaved
+
+
 def test_scaler_update(host) -> None:  # noqa: ANN001
     host.configure(3, 1, 1, False)
     policies = [
@@ -569,6 +848,53 @@ def test_clip_factor(host, n_items: int) -> None:  # noqa: ANN001
                         norm_type,
                     ]
                     run_three(host, "clip_factor_", args)
+
+
+def _zero_sum_table(
+    n_items: int, abs_max: float, counts: tuple[float, float, float]
+) -> torch.Tensor:
+    """A table whose every sum of squares is 0 (zero gradients, or squares that underflowed
+    float32's opmath: |u| below 2^-75), with `abs_max` in the last row and the (pos_inf,
+    neg_inf, nan) counts in the first."""
+    t = torch.zeros(1 + n_items, len(ops.STAT_FIELDS), dtype=F64)
+    t[0, :3] = torch.tensor([2.0**16, 4.0, 1.0 if any(counts) else 0.0])
+    t[1:, 5] = 100.0
+    t[n_items, 1] = abs_max
+    t[1, 2:5] = torch.tensor(counts, dtype=F64)
+    return t
+
+
+def test_clip_factor_when_the_squares_sum_to_zero(host) -> None:  # noqa: ANN001
+    """clip_factor_ where the sum of squares is 0 but the largest magnitude is not (the inf norm
+    is that magnitude: 1e-30 stays 1e-30), where everything is 0 (the factor is max_norm /
+    1e-6, clamped: with max_norm below 1e-6 it is below 1), and with non-finite counts, for
+    max_norm down to 0: the total and the factor three ways.  Then the same from gradients whose
+    squares underflow, through a check-only pass's statistics as the scaler's clip runs it."""
+    host.configure(0, 1, 1, False)
+    max_norms = (0.0, 1e-12, 1e-7, 5e-7, 9.999e-7, 1e-6, 1.0000001e-6, 1.0, 1e30)
+    for n_items in (1, 3, 300):
+        for abs_max in (0.0, 1e-30, 1e-40, 2.0**-75, 1e-7):
+            for counts in ((0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 0.0, 2.0)):
+                table = _zero_sum_table(n_items, abs_max, counts)
+                for st in (state(2.0**16), state(3.0), None):
+                    for norm_type in (2.0, INF):
+                        for max_norm in max_norms:
+                            out = [torch.full((1,), -1.0), torch.full((1,), -1.0)]
+                            args = [table, st, *out, max_norm, norm_type]
+                            run_three(host, "clip_factor_", args)
+    for values in (1e-30, 0.0, -(2.0**-80)):
+        grads = [torch.full((n,), values, dtype=d) for n, d in ((5, F32), (70, F32), (9, BF16))]
+        grads[1][3] = values * 3  # the largest
+        table = _stats_table(grads)
+        nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+        args = [grads, torch.zeros(1), state(1.0), nxt, table, 2.0, 0.5, 3, -INF, INF, 1]
+        out = run_three(host, "scaler_pass_", args + [True, False])
+        for norm_type in (2.0, INF):
+            for max_norm in max_norms:
+                clip = [out[4], out[2], torch.full((1,), -1.0), torch.full((1,), -1.0)]
+                total = run_three(host, "clip_factor_", clip + [max_norm, norm_type])[2]
+                if norm_type == INF:
+                    assert total.item() == _f32(abs(values * 3)), (values, total)
 
 
 # ------------------------------------------------------------------------------ unscale_into_
@@ -714,6 +1040,115 @@ def test_every_kernel_of_csrc_cuda_is_executed(host) -> None:  # noqa: ANN001
     launched = {line.rsplit(" ", 1)[0] for line in host.kernels_launched()}
     assert launched >= _kernel_names(), sorted(_kernel_names() - launched)
     assert len(_kernel_names()) == 27
+
+
+# ------------------------------------------------------------ what the layer cannot execute
+# Names that select code by compiler pass: nvcc's device pass (__CUDA_ARCH__ and its kin), nvcc
+# itself in either pass (__CUDACC__, __NVCC__), libcu++'s target macros, and the layer's own
+# build (AMPFUSED_HOST_CUDA).  Code under any of them runs on a GPU and not here, or here and
+# not on a GPU: the three-way tests above cannot see it.
+DEVICE_ONLY = re.compile(
+    r"\b(__CUDA_ARCH\w*|__CUDACC\w*|__NVCC__|__NVCOMPILER\w*|NV_IF_TARGET|NV_IF_ELSE_TARGET"
+    r"|NV_DISPATCH_TARGET|NV_IS_DEVICE|NV_IS_HOST|NV_PROVIDES_SM_\w+|NV_IS_EXACTLY_SM_\w+"
+    r"|AMPFUSED_HOST_CUDA)\b"
+)
+# The conditional groups allowed to use them, with why; a group is its directives and the
+# lines they select, comments dropped, whitespace collapsed.  None: the opening directive only
+# (the seam, whose every line is runtime plumbing).
+ALLOWED_DEVICE_BRANCHES: dict[tuple[str, str], tuple[str | None, str]] = {
+    ("unscale_math.h", "#if defined(__CUDACC__)"): (
+        "#if defined(__CUDACC__) | #define AMPFUSED_HOST_DEVICE __host__ __device__"
+        " | #define AMPFUSED_INLINE __host__ __device__ __forceinline__ | #else"
+        " | #define AMPFUSED_HOST_DEVICE | #define AMPFUSED_INLINE inline"
+        " __attribute__((always_inline)) | #endif",
+        "function qualifiers, no arithmetic",
+    ),
+    ("unscale_math.h", "#if defined(__CUDA_ARCH__)"): (
+        "#if defined(__CUDA_ARCH__) | #define AMPFUSED_CUDA_INTRINSICS 1"
+        ' | #elif defined(AMPFUSED_HOST_CUDA) | #include "host_cuda/intrinsics.h"'
+        " | #define AMPFUSED_CUDA_INTRINSICS 1 | #else | #define AMPFUSED_CUDA_INTRINSICS 0"
+        " | #endif",
+        "CUDA's intrinsics on the device, the layer's definitions of them here: the device "
+        "branches under AMPFUSED_CUDA_INTRINSICS run in both",
+    ),
+    ("cuda/runtime.cuh", "#if defined(AMPFUSED_HOST_CUDA)"): (
+        None,
+        "the seam to a CUDA runtime: host_cuda/runtime.h here, CUDA's runtime on a GPU",
+    ),
+}
+
+
+def _logical_lines(text: str) -> list[str]:
+    """The lines of a C++ source, comments dropped (string literals kept, a block comment's
+    line breaks too), continuation lines joined, whitespace collapsed."""
+
+    def keep(m: re.Match[str]) -> str:
+        s = m.group(0)
+        return s if s.startswith('"') else "\n" * s.count("\n")
+
+    text = re.sub(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', keep, text, flags=re.S)
+    return [" ".join(line.split()) for line in text.replace("\\\n", " ").split("\n")]
+
+
+def _device_only_uses(path: Path, root: Path) -> list[tuple[str, str, str]]:
+    """(file, opening directive, the group's lines joined by " | ") per conditional group
+    (#if ... #endif, nested groups inside) with a device-only name in one of its #if/#elif
+    directives; (file, line, line) per other line that names one."""
+    name = path.relative_to(root).as_posix()
+    out: list[tuple[str, str, str]] = []
+    stack: list[tuple[str, list[str], list[bool]]] = []  # (opening, lines, [device-only])
+    for line in _logical_lines(path.read_text()):
+        directive = re.match(r"#\s*(\w+)", line)
+        kind = directive.group(1) if directive else None
+        named = DEVICE_ONLY.search(line) is not None
+        if kind in ("if", "ifdef", "ifndef"):
+            stack.append((line, [line], [named]))
+            continue
+        if stack and line:
+            stack[-1][1].append(line)
+        if kind in ("elif", "elifdef", "elifndef") and stack:
+            stack[-1][2][0] |= named
+        elif kind == "endif" and stack:
+            opening, lines, device_only = stack.pop()
+            if device_only[0]:
+                out.append((name, opening, " | ".join(lines)))
+            if stack:
+                stack[-1][1].extend(lines)
+        elif kind != "else" and named:
+            out.append((name, line, line))
+    return out
+
+
+def test_no_device_only_branch_escapes_the_layer() -> None:
+    """No code of csrc/ is selected by __CUDA_ARCH__, __CUDACC__ or another name that only nvcc
+    (or only the host layer) defines, outside ALLOWED_DEVICE_BRANCHES: the layer compiles the
+    kernels with the C++ compiler, so such a branch is never executed here, and the CPU
+    kernels never compile it either (a GPU-only hysteresis counter that goes below 0, a cap
+    computed in float32 on the device only, passed every test).  Arithmetic that must differ
+    on a GPU goes under AMPFUSED_CUDA_INTRINSICS, over host definitions of the intrinsics it
+    needs (host_cuda/intrinsics.h), which the layer compiles and runs."""
+    root = Path(__file__).resolve().parents[1] / "csrc"
+    seen: dict[tuple[str, str], int] = {}
+    problems = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in (".h", ".cuh", ".cu", ".cpp") or "host_cuda" in path.parts:
+            continue
+        for name, opening, group in _device_only_uses(path, root):
+            key = (name, opening)
+            seen[key] = seen.get(key, 0) + 1
+            allowed = ALLOWED_DEVICE_BRANCHES.get(key)
+            if allowed is None or seen[key] > 1:
+                problems.append(f"{name}: {opening}")
+            elif allowed[0] is not None and group != allowed[0]:
+                problems.append(f"{name}: {opening} ... changed to: {group}")
+    assert not problems, (
+        "code selected by a name that nvcc's device pass, nvcc or the host layer alone defines, "
+        "which the host execution layer therefore never runs against the CPU kernels (put "
+        "GPU-only arithmetic under AMPFUSED_CUDA_INTRINSICS, with host definitions in "
+        "csrc/host_cuda/intrinsics.h; a new seam goes in ALLOWED_DEVICE_BRANCHES with its "
+        "reason):\n  " + "\n  ".join(problems)
+    )
+    assert set(seen) == set(ALLOWED_DEVICE_BRANCHES), set(ALLOWED_DEVICE_BRANCHES) - set(seen)
 
 
 # ----------------------------------------------------------------------------- the GPU day

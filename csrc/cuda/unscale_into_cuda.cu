@@ -10,6 +10,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/multi_tensor_apply.cuh"
@@ -99,6 +100,9 @@ void launch_into_cuda(const std::vector<IntoSpan>& spans, const float* inv_scale
   for (const IntoSpan& s : spans) {
     const size_t elem = c10::elementSize(s.dtype);
     for (int64_t b = 0; b < s.numel; b += kChunkSize) {
+      // A gradient of 2^31 elements or more has items past int's range, where an int index
+      // wraps and the loop never ends.  No test can allocate such a gradient: checked here.
+      static_assert(std::is_same_v<decltype(b), int64_t>, "index the chunks with int64_t");
       items.push_back({static_cast<const char*>(s.in) + b * elem, s.out + b,
                        static_cast<uint32_t>(std::min(kChunkSize, s.numel - b)),
                        static_cast<int32_t>(s.dtype)});

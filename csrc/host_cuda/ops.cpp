@@ -71,6 +71,7 @@ TORCH_LIBRARY(ampfused_host, m) {
   m.def("configure(int seed, int blocks_in_flight, int resident_blocks, bool capturing) -> ()",
         &ampfused::configure);
   m.def("counters() -> int[]", &ampfused::counters);
+  m.def("stream_handovers() -> int", &ampfused::hostcuda::stream_handovers);
   m.def("hold_next_launch(int blocks) -> ()", &ampfused::hostcuda::hold_next_launch);
   m.def("release_held() -> ()", &ampfused::hostcuda::release_held);
   m.def("kernels_launched() -> str[]", &ampfused::kernels_launched);

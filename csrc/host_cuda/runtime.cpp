@@ -690,6 +690,38 @@ int64_t hold_blocks = -1;  // the next launch's blocks to run before it is held;
 std::optional<Held> held;
 std::vector<at::Tensor> graph_tensors;
 
+// The layer's one stream (runtime.h): each launch takes a ticket and runs when it is served, so
+// the launches of several host threads run one at a time, first queued first run.  (Without it
+// two threads' launches would run together, as no CUDA stream runs them.)
+std::mutex stream_mu;
+std::condition_variable stream_cv;
+uint64_t stream_queued = 0, stream_serving = 0;
+std::thread::id stream_last;  // the host thread of the stream's last launch
+std::atomic<int64_t> n_handovers{0};
+
+class StreamTurn {
+ public:
+  StreamTurn() {
+    std::unique_lock<std::mutex> lock(stream_mu);
+    const uint64_t ticket = stream_queued++;
+    stream_cv.wait(lock, [&] { return stream_serving == ticket; });
+    const std::thread::id me = std::this_thread::get_id();
+    if (stream_last != std::thread::id() && stream_last != me) {
+      n_handovers.fetch_add(1, std::memory_order_relaxed);
+    }
+    stream_last = me;
+  }
+  ~StreamTurn() {
+    {
+      std::lock_guard<std::mutex> lock(stream_mu);
+      ++stream_serving;
+    }
+    stream_cv.notify_all();
+  }
+  StreamTurn(const StreamTurn&) = delete;
+  StreamTurn& operator=(const StreamTurn&) = delete;
+};
+
 }  // namespace
 
 unsigned word_load(const Word* w) {
@@ -733,6 +765,7 @@ void out_of_bounds(const void* at, size_t bytes, const void* lo, const void* hi)
 void launch(const char* kernel, unsigned grid, unsigned block, const std::function<void()>& body) {
   TORCH_CHECK(grid >= 1 && block >= 1 && block <= 1024, "host CUDA layer: invalid launch <<<", grid,
               ", ", block, ">>>");
+  const StreamTurn turn;  // (a held launch's rest runs at release_held, off the stream)
   {
     // "[with auto kKernel = <instantiation>; Args = ...]" -> "<instantiation>"
     std::string name(kernel);
@@ -805,13 +838,15 @@ void configure(const Config& config) {
   std::lock_guard<std::mutex> lock(config_mu);
   current_config = config;
   launch_counter = 0;
-  n_launches = n_blocks = n_phases = n_shuffles = n_points = n_switches = 0;
+  n_launches = n_blocks = n_phases = n_shuffles = n_points = n_switches = n_handovers = 0;
 }
 
 Config config() {
   std::lock_guard<std::mutex> lock(config_mu);
   return current_config;
 }
+
+int64_t stream_handovers() { return n_handovers.load(); }
 
 Counters counters() {
   return Counters{n_launches.load(), n_blocks.load(), n_phases.load(),

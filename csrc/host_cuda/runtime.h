@@ -33,7 +33,11 @@
 //   nvcc's default --fmad=true (nvcc may also fuse products GCC leaves apart);
 // - a launch returns when every block has finished (a stream's launches run one after another),
 //   unless it was held (hold_next_launch: the rest of its blocks run at release_held, as a
-//   replayed graph's may while other work runs).
+//   replayed graph's may while other work runs);
+// - host threads that launch together share the layer's one stream as they share a CUDA stream:
+//   their launches run one at a time, in the order they were queued (first come, first run), so
+//   a launch queued while another thread's runs goes before that thread's next one, and two
+//   passes' launches interleave (stream_handovers counts it).
 // The kernel parameters are passed by value to every thread, as CUDA passes them.
 //
 // What it cannot show: nvcc's code generation beyond FMA contraction; the GPU's memory model
@@ -126,6 +130,10 @@ struct Counters {
   int64_t switches = 0;
 };
 Counters counters();
+
+// Launches since the last configure() that followed, on the stream, a launch queued by another
+// host thread: for tests that passes of two threads really interleaved.
+int64_t stream_handovers();
 
 // The next launch runs `blocks` of its blocks (in its seeded order) and returns; release_held()
 // runs the rest.  Tensors given to rt::graph_owns meanwhile are kept until then.

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ampfused import _C
+from ampfused import _C, ops
 from ampfused._arguments import describe_argument, user_stacklevel
 from ampfused._grad_pass import flat_params
 from ampfused.activations import Row, Tracer
@@ -31,6 +31,7 @@ from ampfused.report import ActivationStats, GradStats, StepReport
 __all__ = ["ActivationStats", "GradStats", "StepReport"]
 
 _LOG = logging.getLogger("ampfused")
+_FIELDS = len(ops.STAT_FIELDS)
 _LOG_SKIPPED = (False, "log", "warn")
 
 # Watch.name_check: whether a pass still checks that watch() named its parameters (see there).
@@ -74,7 +75,7 @@ class _Reduced:
                 names.get(k) or f"<param {i}>" for k, i in zip(keys, positions, strict=True)
             ]
             ranks += [order.get(k, n_watched + i) for k, i in zip(keys, positions, strict=True)]
-        rows = torch.cat(per_pass) if per_pass else torch.zeros(0, 6, dtype=torch.float64)
+        rows = torch.cat(per_pass) if per_pass else torch.zeros(0, _FIELDS, dtype=torch.float64)
         # Parameter order: watched ones by their rank, then the others by position.
         perm = sorted(range(len(ranks)), key=ranks.__getitem__)
         self.names = [self.names[i] for i in perm]

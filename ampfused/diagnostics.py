@@ -76,14 +76,24 @@ class _Reduced:
             ]
             ranks += [order.get(k, n_watched + i) for k, i in zip(keys, positions, strict=True)]
         rows = torch.cat(per_pass) if per_pass else torch.zeros(0, _FIELDS, dtype=torch.float64)
-        # Parameter order: watched ones by their rank, then the others by position.
+        # Parameter order: watched ones by their rank, then the others by position.  Permuted as
+        # Python lists: a tensor indexed by the permutation (1,000 rows) goes through an
+        # intra-op parallel region, whose wait for a thread the OS runs late cost 10-40 ms a
+        # step with a busy process per core (a plain column's sqrt stays under the grain).
         perm = sorted(range(len(ranks)), key=ranks.__getitem__)
         self.names = [self.names[i] for i in perm]
         self.numels = [numels[i] for i in perm]
-        rows = rows[perm]
-        self.norms = rows[:, 0].sqrt().float().tolist()
-        self.rows = rows
+        norms = rows[:, 0].sqrt().float().tolist()
+        self.norms = [norms[i] for i in perm]
+        self._table, self._perm = rows, perm
         self.total_norm = _norm(total_sq)
+
+    @property
+    def rows(self) -> list[list[float]]:
+        """Each gradient's row (ops.STAT_FIELDS), in report order (the report's; grad_norms()
+        reads only the norms)."""
+        listed = self._table.tolist()
+        return [listed[i] for i in self._perm]
 
 
 def _to_host(tables: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -119,7 +129,7 @@ def build_report(
     r = _Reduced(passes, names, order)
     grads = [
         GradStats(name, norm, row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]), numel)
-        for name, norm, row, numel in zip(r.names, r.norms, r.rows.tolist(), r.numels, strict=True)
+        for name, norm, row, numel in zip(r.names, r.norms, r.rows, r.numels, strict=True)
     ]
     return StepReport(
         r.step,

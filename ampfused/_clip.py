@@ -47,8 +47,12 @@ def clip_grad_norm_(
             "clip_grad_norm_() is being called after step(). Clip before step(): "
             "scaler.clip_grad_norm_(optimizer, max_norm), then scaler.step(optimizer)."
         )
-    if isinstance(optimizer, MasterWeights) and optimizer_state["stage"] is OptState.READY:
-        scaler.unscale_(optimizer)  # into the masters' float32 gradients, then clip those
+    if optimizer_state["stage"] is OptState.READY and (
+        isinstance(optimizer, MasterWeights) or scaler._island_set is not None
+    ):
+        # into the masters' float32 gradients (scale islands: each by its own factor), then
+        # clip those
+        scaler.unscale_(optimizer)
     unscaled = optimizer_state["stage"] is OptState.UNSCALED
     tables: list = []
     if norm_type not in _TABLE_NORMS or (

@@ -114,6 +114,11 @@ def found_inf(
     first_table = len(watch.now) if watch is not None else 0
     hooked = type(scaler)._unscale_grads_ is not scaler._pass_base._unscale_grads_
     if isinstance(optimizer, MasterWeights):
+        if scaler._island_set is not None:
+            raise NotImplementedError(
+                "scale islands: a MasterWeights optimizer's pass unscales every gradient by "
+                "the one global scale; leave islands out with MasterWeights"
+            )
         if hooked:
             raise NotImplementedError(
                 f"{type(scaler).__name__} overrides _unscale_grads_ (e.g. to all-reduce "
@@ -135,6 +140,22 @@ def found_inf(
             nxt = state.pending_buffer(scale.device)
             state.measured = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt))
         return agree(scaler, optimizer._grads_to_masters(inv), (), first_table)
+    island_set = scaler._island_set
+    islands = None if island_set is None else island_set.active("GradScaler.unscale_")
+    if islands is not None:
+        if hooked:
+            raise NotImplementedError(
+                f"{type(scaler).__name__} overrides _unscale_grads_, which does not unscale "
+                "scale islands' gradients by their own factors; use ampfused.GradScaler "
+                "itself with islands"
+            )
+        if check_only and scaler._scaling:
+            raise NotImplementedError(
+                "scale islands: this optimizer unscales its gradients itself (a fused "
+                "optimizer, _step_supports_amp_scaling) by the one global scale, but the "
+                "islands' gradients carry their own factors; use the optimizer without "
+                "fused=True, or leave islands out"
+            )
     if hooked:
         return None
     factors = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
@@ -150,9 +171,15 @@ def found_inf(
     # state.measured also where an agreement dropped the pending record)
     accumulate = (pending is not None and bool(pending.found)) or state.measured
     nxt = state.pending_buffer(dev)
+    island_of = island_inv = None
+    if islands is not None:
+        islands.ensure_state(scale, state.pass_input(scale, tracker))
+        island_of, island_inv = islands.of_groups(flat_params(groups)), islands.inv
     if state.headroom and not accumulate and watch is not None and watch.tracer is not None:
         # The traced activation gradients' magnitude, taken into the pass's as an earlier one's
-        accumulate = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt))
+        # (an island's: not the global scale's)
+        outside = None if islands is None else islands.island_of_module
+        accumulate = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt), outside)
     result = _C.fused_pass(
         groups,
         state.pass_input(scale, tracker),
@@ -165,7 +192,15 @@ def found_inf(
         watch is not None or tables is not None,
         unwrap,
         state.headroom,
+        island_of,
+        island_inv,
     )
+    if result is None and islands is not None:
+        raise NotImplementedError(
+            "scale islands: some gradient needs torch's own unscale walk (sparse, or a tensor "
+            "subclass other than DTensor), which does not unscale islands' gradients by their "
+            "own factors; leave islands out for this model"
+        )
     if result is None:
         # A gradient needs torch's walk: run it over the groups read above, with the inputs
         # torch's methods give it.
@@ -236,14 +271,15 @@ def check_headroom_dtypes(scaler: Any, groups: Any) -> None:
         )
 
 
-def activation_magnitude(rows: list, into: torch.Tensor) -> bool:
+def activation_magnitude(rows: list, into: torch.Tensor, island: Any = None) -> bool:
     """The largest finite magnitude of this iteration's traced float16 activation gradients
     (the scaled values: what overflows in backward) written into `into` (float32, on the
-    scale's device; no sync).  Returns whether any was traced."""
+    scale's device; no sync).  Returns whether any was traced.  `island`: a module name's
+    scale island (nonzero: left out, it has its own scale), or None."""
     columns = [
         table[1 + input_rows :, 1].to(into.device)  # (abs_max; a backward row has no inputs)
-        for _, _, direction, _, table, _, dtype, input_rows in rows
-        if direction == "backward" and dtype == torch.float16
+        for name, _, direction, _, table, _, dtype, input_rows in rows
+        if direction == "backward" and dtype == torch.float16 and not (island and island(name))
     ]
     if not columns:
         return False

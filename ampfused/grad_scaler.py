@@ -47,6 +47,8 @@ from ampfused._compile import as_is, compiled_region_active, eager, not_traced, 
 from ampfused._scale_state import CHECKPOINT_KEY, ScaleState, check_update_arg
 from ampfused._torch_private import OptState, supports_amp_scaling
 from ampfused.diagnostics import StepReport, Watch
+from ampfused.scale_islands import CHECKPOINT_KEY as ISLANDS_KEY
+from ampfused.scale_islands import ScalerIslands, check_islands_argument
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -226,6 +228,11 @@ class GradScaler(torch.amp.GradScaler):
             scale, the first pass says once, in a UserWarning, to use ``scaling=False``.
         headroom: the factor of the headroom policy (from 1 to 65,504; 4 by default); only
             with ``policy="headroom"``.
+        islands: scale islands (:mod:`ampfused.scale_islands`, docs/islands.md): module names
+            (as ``model.named_modules()`` gives them), or ``"auto"`` to choose them from the
+            first traced iteration; each island's backward runs at the global scale times its
+            own power-of-two factor, which follows the headroom rule from the island's own
+            gradients.  Needs ``policy="headroom"`` and ``watch(model, activations=True)``.
         found_inf_group: a ``torch.distributed`` process group, or a list of them, over which
             every found_inf flag is all-reduced (MAX) as soon as a pass has computed it, before
             the optimizer's step or :meth:`update` reads it, so every rank skips the same steps
@@ -271,11 +278,13 @@ class GradScaler(torch.amp.GradScaler):
         found_inf_group: Any = _dist.NO_GROUP,
         policy: str = "torch",
         headroom: float = _scale_state.DEFAULT_HEADROOM,
+        islands: Any = None,
     ) -> None:
         check_device(type(self).__name__, device)
         found_inf_groups = _dist.check_found_inf_group(type(self).__name__, found_inf_group)
         _check_switches(scaling, allow_fp16, min_scale, max_scale, hysteresis)
         headroom_factor = _scale_state.check_headroom(type(self).__name__, policy, headroom)
+        islands = check_islands_argument(type(self).__name__, islands, policy, scaling)
         if policy == "torch" and headroom not in (None, _scale_state.DEFAULT_HEADROOM):
             raise ValueError(
                 f"{type(self).__name__}: headroom={headroom!r} acts only with "
@@ -310,6 +319,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scale_state.set_policy(*checked_policy)
         self._scale_state.headroom = headroom_factor
         self._scaling = scaling
+        self._island_set = None if islands is None else ScalerIslands(islands)
         self._allow_fp16 = allow_fp16
         self._found_inf_plan = _dist.reductions(found_inf_groups, "max")
         if not scaling:
@@ -323,6 +333,7 @@ class GradScaler(torch.amp.GradScaler):
     # Scalers pickled before these options existed:
     _allow_fp16 = False
     _found_inf_plan: list = []
+    _island_set: ScalerIslands | None = None
     # The shape of the found_inf tensors unscale_() leaves in _per_optimizer_states (torch's
     # ShardedGradScaler makes them (1,)).
     _unscale_found_shape: tuple[int, ...] = ()
@@ -336,6 +347,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scale_state = ScaleState()
         self._scaling = True
         self._watch: Watch | None = None  # watch(): names and statistics tables
+        self._island_set = None  # islands=: the scale islands (ampfused.scale_islands)
 
     # ----------------------------------------------------------------------------- the policy
     @property
@@ -443,6 +455,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(loaded.growth_tracker)
         self._scale_state.load(loaded.policy, loaded.counters, loaded.headroom, loaded.history)
+        if self._island_set is not None:
+            self._island_set.load(state_dict.get(ISLANDS_KEY), float(loaded.scale))
 
     @not_traced_eager
     def state_dict(self) -> dict[str, Any]:
@@ -453,6 +467,9 @@ class GradScaler(torch.amp.GradScaler):
         state = super().state_dict()
         if self._enabled:
             state[CHECKPOINT_KEY] = self._scale_state.checkpoint()
+            islands = self._island_set.checkpoint() if self._island_set is not None else None
+            if islands is not None:
+                state[ISLANDS_KEY] = islands
         return state
 
     @not_traced_eager
@@ -486,6 +503,12 @@ class GradScaler(torch.amp.GradScaler):
         state.update(self._scale_state.snapshot())
         # Names are keyed by the parameters' identities, which do not survive pickling.
         state["_watch"] = None
+        if self._island_set is not None:  # (the argument and the rows: no model, no hooks)
+            islands = ScalerIslands(self._island_set.argument)
+            entry = self._island_set.checkpoint()
+            if entry is not None:
+                islands.loaded = (entry, self.get_scale())
+            state["_island_set"] = islands
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -744,21 +767,32 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._check_scale_growth_tracker("update")
+        state, scale, tracker = self._scale_state, self._scale, self._growth_tracker
+        islands = self._island_set
+        if islands is not None and new_scale is None:
+            args = _scale_state.kernel_update_args(self._factors())
+            if args is not None:
+                islands.before_update(self, (*args, *state.kernel_policy, state.headroom))
         if self._watch is not None:
             self._watch.close_iteration()
-        state, scale, tracker = self._scale_state, self._scale, self._growth_tracker
         pending = state.take_pending()
         found_infs = self._found_infs()
         if new_scale is not None:
             self._update_to(new_scale, pending, found_infs)
+            if islands is not None:
+                islands.after_update(self)
             return
         if len(found_infs) == 0:
             raise _no_inf_checks("update")
         factors = (self._growth_factor, self._backoff_factor, self._growth_interval)
         if not state.prepare_next(pending, scale, tracker, factors, found_infs, True):
             super().update()
+            if islands is not None:
+                islands.after_update(self)
             return
         floor_hit = state.commit(scale, tracker)
+        if islands is not None:
+            islands.after_update(self)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         if floor_hit:
             state.report_floor_hit(self.get_scale())
@@ -820,6 +854,8 @@ class GradScaler(torch.amp.GradScaler):
                 optimizer, ``model.parameters()``); the message says what was given.
         """
         watch = Watch(parameters, log_skipped, activations)
+        if self._island_set is not None:
+            self._island_set.attach("watch", parameters, activations)
         if self._watch is not None:  # (the statistics recorded so far stay readable)
             watch.now, watch.last = self._watch.now, self._watch.last
             self._watch.remove()  # (its tracing hooks)
@@ -833,6 +869,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._watch is not None:
             self._watch.remove()
         self._watch = None
+        if self._island_set is not None:  # (islands measure from the tracing: gone with it)
+            self._island_set.detach()
 
     @not_traced_eager
     def report(self) -> StepReport:

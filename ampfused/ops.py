@@ -7,6 +7,8 @@ float64 mixed), never syncs with the host, and accepts non-dense gradients.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
@@ -193,6 +195,8 @@ def scaler_pass_(
     check_only: bool = False,
     accumulate: bool = False,
     headroom: float = 0.0,
+    islands: Sequence[int] = (),
+    island_inv: Tensor | None = None,
 ) -> None:
     """ampfused.GradScaler's pass: :func:`unscale_update_scale_` over the scaler's whole state.
 
@@ -209,6 +213,12 @@ def scaler_pass_(
             measures the largest finite magnitude of the scaled values into
             ``next_state[magnitude]`` and the update reads it
             (:func:`ampfused.reference.update_state`).
+        islands, island_inv: scale islands (:mod:`ampfused.scale_islands`): each gradient's
+            island (0 for none, k >= 1 for island k; empty: none) and a 1-D float32 tensor on
+            the gradients' device with island k's inverse factor 1 / f_k at k - 1.  A gradient
+            of island k carries the scale times f_k (a power of two): it is multiplied by the
+            pass's inverse scale times ``island_inv[k - 1]``, its statistics are of those truly
+            unscaled values, and it is left out of the measured magnitude.
         The rest: as in :func:`unscale_update_scale_`.
     """
     args = (
@@ -226,6 +236,8 @@ def scaler_pass_(
         check_only,
         accumulate,
         headroom,
+        list(islands),
+        island_inv,
     )
     if is_compiling() or _C.scaler_pass_(*args) is not None:
         _call(torch.ops.ampfused.scaler_pass_, *args)

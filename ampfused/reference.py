@@ -639,28 +639,49 @@ def scaler_pass_(
     check_only: bool = False,
     accumulate: bool = False,
     headroom: float = 0.0,
+    islands: list[int] | tuple[int, ...] = (),
+    island_inv: Tensor | None = None,
 ) -> None:
     """:func:`unscale_update_scale_` over the whole state, by :func:`update_state`; grad_stats
     (when given) receives the header (scale in force, steps so far, found) and the rows of
     :func:`grad_stats`.  With headroom > 0 the pass measures the magnitude (:func:`magnitude`,
     or with grad_stats :func:`stat_magnitude`); with accumulate the iteration's magnitude is the
     largest of it and next_state's (+inf there: an earlier pass found inf/NaN), and the update
-    is computed again from state."""
+    is computed again from state.
+
+    Scale islands: a gradient of island k >= 1 (``islands``) is unscaled, and its statistics
+    taken, with the pass's inverse scale times ``island_inv[k - 1]`` (a float32 product), and it
+    is not measured; inf/NaN in it is found as anywhere."""
     found = _any_non_finite(grads)
+    of = list(islands) if islands else [0] * len(grads)
+    scale = state[0:1].view(torch.float32)
+    inv = inv_scale_of(scale)
+
+    def inv_of(k: int) -> Tensor:
+        if k == 0:
+            return inv
+        assert island_inv is not None
+        return inv * island_inv[k - 1 : k].cpu()
+
+    outside = [g for g, k in zip(grads, of) if k == 0]
     measured = 0.0
     if headroom > 0 and grad_stats is None:
-        measured = magnitude(grads)
+        measured = magnitude(outside)
     if grad_stats is not None:
-        scale = state[0:1].view(torch.float32)
         grad_stats.zero_()
         grad_stats[0, 0] = float(scale.item())
         grad_stats[0, 1] = float(state[3].item())  # steps
         grad_stats[0, 2] = 1.0 if found else 0.0
-        grad_stats[1:] = _stat_rows(grads, inv_scale_of(scale), check_only).to(grad_stats.device)
+        rows = [_stat_rows([g], inv_of(k), check_only) for g, k in zip(grads, of)]
+        if rows:
+            grad_stats[1:] = torch.cat(rows).to(grad_stats.device)
         if headroom > 0:
-            measured = stat_magnitude(grad_stats[1:].cpu(), float(scale.item()))
+            mine = [r for r, k in zip(rows, of) if k == 0]
+            if mine:
+                measured = stat_magnitude(torch.cat(mine), float(scale.item()))
     if not check_only:
-        _unscale_(grads, float(inv_scale_of(state[0:1].view(torch.float32)).item()))
+        for g, k in zip(grads, of):
+            _unscale_([g], float(inv_of(k).item()))
     found_inf.fill_(1.0 if found else 0.0)
     if accumulate:  # (as unsigned bits: inf, NaN and negative bits count as found)
         bits = _magnitude_bits(next_state)

@@ -47,18 +47,21 @@ int64_t LaunchPlanner::fill(WorkItem* out, int64_t capacity) {
     const Span& s = spans[span];
     if (chunk == 0 && s.numel <= kChunkSize) {  // one item or none: the common, fast case
       if (s.numel > 0) {
-        out[n++] = WorkItem{s.data, static_cast<uint32_t>(s.numel), static_cast<int32_t>(s.dtype)};
+        out[n++] = WorkItem{s.data, static_cast<uint32_t>(s.numel), static_cast<int16_t>(s.dtype),
+                            static_cast<uint16_t>(s.island)};
       }
       ++span;
       continue;
     }
     auto* const data = static_cast<char*>(s.data);
     const int64_t item_bytes = kChunkSize * static_cast<int64_t>(c10::elementSize(s.dtype));
-    const auto dtype = static_cast<int32_t>(s.dtype);
+    const auto dtype = static_cast<int16_t>(s.dtype);
+    const auto island = static_cast<uint16_t>(s.island);
     int64_t start = chunk * kChunkSize;
     for (; start < s.numel && n < capacity; start += kChunkSize, ++chunk) {
-      out[n++] = WorkItem{data + chunk * item_bytes,
-                          static_cast<uint32_t>(std::min(kChunkSize, s.numel - start)), dtype};
+      out[n++] =
+          WorkItem{data + chunk * item_bytes,
+                   static_cast<uint32_t>(std::min(kChunkSize, s.numel - start)), dtype, island};
     }
     if (start >= s.numel) {  // this span is done (a zero-size one gives no item)
       ++span;

@@ -2,10 +2,10 @@
 // unit-tested and benchmarked on the CPU (private ops in launch_table.cpp).
 //
 // A pass is cut into work items of at most kChunkSize elements of one tensor, 16 bytes each
-// (pointer, count, dtype), and the items travel BY VALUE in the kernel's parameters: CUDA 12.1+
-// accepts 32,764 bytes of parameters on Volta and newer (every arch we build, 7.5/8.0/9.0), so
-// one launch carries up to kLaunchCapacities.back() items and a larger pass takes several
-// launches.  Why by value and not a cached device table (what this replaced):
+// (pointer, count, dtype, scale island), and the items travel BY VALUE in the kernel's parameters:
+// CUDA 12.1+ accepts 32,764 bytes of parameters on Volta and newer (every arch we
+// build, 7.5/8.0/9.0), so one launch carries up to kLaunchCapacities.back() items and a larger pass
+// takes several launches.  Why by value and not a cached device table (what this replaced):
 // - a reallocated gradient set (zero_grad(set_to_none=True)) costs exactly what an unchanged one
 //   costs, because nothing is cached: no key copy or compare, no pinned host buffer, no device
 //   buffer, no host-to-device copy, no table eviction;
@@ -28,9 +28,10 @@ namespace ampfused {
 constexpr int64_t kChunkSize = 65536;  // elements per work item, any dtype
 
 struct WorkItem {
-  void* data;      // first element of the item
-  uint32_t numel;  // 1..kChunkSize
-  int32_t dtype;   // c10::ScalarType
+  void* data;       // first element of the item
+  uint32_t numel;   // 1..kChunkSize
+  int16_t dtype;    // c10::ScalarType
+  uint16_t island;  // its gradient's scale island (Span::island): 0 for none
 };
 static_assert(sizeof(WorkItem) == 16, "WorkItem is a 16-byte kernel parameter record");
 

@@ -67,10 +67,11 @@ struct scaler_pass_ : Handle<scaler_pass_> {
       "ampfused::scaler_pass_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor state, "
       "Tensor(c!) next_state, Tensor(d!)? grad_stats, float growth_factor, float backoff_factor, "
       "int growth_interval, float min_scale, float max_scale, int hysteresis, bool check_only, "
-      "bool accumulate, float headroom=0.) -> ()";
+      "bool accumulate, float headroom=0., int[] islands=[], Tensor? island_inv=None) -> ()";
   using Signature = void(at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const std::optional<at::Tensor>&, double, double, int64_t, double, double,
-                         int64_t, bool, bool, double);
+                         int64_t, bool, bool, double, c10::IntArrayRef,
+                         const std::optional<at::Tensor>&);
 };
 
 // The scaler's update from a verdict computed elsewhere (found_inf: nonzero = inf/NaN found).

@@ -60,17 +60,40 @@ using ScalerFound =
 // overwritten, next_state computed).  On another device the plain ops run, or with statistics
 // the scaler pass on a copy of the state (its next_state is dropped: with gradients on several
 // devices GradScaler.update() recomputes the update from every found_inf).
+// Scale islands: `island_of` (None, or a list of each parameter position's island, 0 for none)
+// and `island_inv` (float32, on the state's device: scaler_pass_'s); a gradient of an island on
+// another device is refused.
 std::optional<std::vector<ScalerFound>> fused_pass(
     py::handle param_groups, const at::Tensor& state, const at::Tensor& next_state,
     double growth_factor, double backoff_factor, int64_t growth_interval, double min_scale,
     double max_scale, int64_t hysteresis, bool check_only, bool accumulate, bool allow_fp16,
-    bool with_stats, py::handle unwrap, double headroom) {
+    bool with_stats, py::handle unwrap, double headroom, py::handle island_of,
+    const std::optional<at::Tensor>& island_inv) {
   at::Tensor inv_scale;  // for other devices, made on first need
+  const bool with_islands = !island_of.is_none();
+  std::vector<int64_t> of_position;
+  if (with_islands) of_position = island_of.cast<std::vector<int64_t>>();
   return per_device(
       param_groups, allow_fp16,
       [&](const DeviceGrads& g) -> ScalerFound {
         const at::Device& device = g.device;
         at::TensorList grads = g.grads;
+        std::vector<int64_t> islands;
+        if (with_islands) {
+          islands.reserve(grads.size());
+          for (const int64_t position : g.positions) {
+            TORCH_CHECK_VALUE(position < static_cast<int64_t>(of_position.size()), "island_of has ",
+                              of_position.size(),
+                              " entries but the optimizer holds more parameters; give one per "
+                              "parameter of its param_groups");
+            const int64_t k = of_position[position];
+            TORCH_CHECK_NOT_IMPLEMENTED(k == 0 || device == state.device(),
+                                        "scale islands: a gradient of an island is on ", device,
+                                        " but the scale is on ", state.device(),
+                                        "; islands need their gradients on the scale's device");
+            islands.push_back(k);
+          }
+        }
         std::optional<at::Tensor> stats, positions;
         if (with_stats) {
           stats = at::empty({grad_stats_rows(grads), kStatFields},
@@ -91,7 +114,8 @@ std::optional<std::vector<ScalerFound>> fused_pass(
           const at::Tensor next = here ? next_state : at::empty_like(s);
           ops::scaler_pass_::call(grads, f, s, next, stats, growth_factor, backoff_factor,
                                   growth_interval, min_scale, max_scale, hysteresis, check_only,
-                                  here && accumulate, here ? headroom : 0.0);
+                                  here && accumulate, here ? headroom : 0.0, islands,
+                                  islands.empty() ? std::nullopt : island_inv);
           return {device, f, stats, positions};
         }
         f.zero_();
@@ -111,7 +135,7 @@ std::optional<std::vector<ScalerFound>> fused_pass(
         }
         return {device, f, stats, positions};
       },
-      /*positions=*/with_stats, unwrap);
+      /*positions=*/with_stats || with_islands, unwrap);
 }
 
 // GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): torch's contract
@@ -182,10 +206,16 @@ struct BorrowedTensor {
     if (t.defined()) GradList::Traits::destroyBorrow(t);
   }
 };
+// An int[] argument (a list of Python ints), owned.
+struct IntList {
+  std::vector<int64_t> values;
+};
 template <typename T>
-using Held = std::conditional_t<
-    std::is_same_v<T, at::TensorList>, GradList,
-    std::conditional_t<std::is_same_v<T, const at::Tensor&>, BorrowedTensor, std::decay_t<T>>>;
+using Held =
+    std::conditional_t<std::is_same_v<T, at::TensorList>, GradList,
+                       std::conditional_t<std::is_same_v<T, const at::Tensor&>, BorrowedTensor,
+                                          std::conditional_t<std::is_same_v<T, c10::IntArrayRef>,
+                                                             IntList, std::decay_t<T>>>>;
 
 bool load(PyObject* o, BorrowedTensor& out) {
   if (!THPVariable_CheckExact(o)) return false;
@@ -212,6 +242,19 @@ bool load(PyObject* o, std::optional<at::Tensor>& out) {
   out = THPVariable_Unpack(o);
   return true;
 }
+bool load(PyObject* o, IntList& out) {
+  if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  PyObject** items = PySequence_Fast_ITEMS(o);
+  out.values.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyLong_CheckExact(items[i])) return false;
+    int overflow = 0;
+    out.values[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (overflow != 0) return false;
+  }
+  return true;
+}
 bool load(PyObject* o, double& out) {
   if (!PyFloat_CheckExact(o)) return false;
   out = PyFloat_AS_DOUBLE(o);
@@ -231,6 +274,7 @@ bool load(PyObject* o, bool& out) {
 
 const at::Tensor& unwrap(const BorrowedTensor& h) { return h.t; }
 at::TensorList unwrap(const GradList& h) { return h.grads; }
+c10::IntArrayRef unwrap(const IntList& h) { return h.values; }
 template <typename T>
 T unwrap(T v) {
   return v;
@@ -295,7 +339,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("next_state"), py::arg("growth_factor"), py::arg("backoff_factor"),
         py::arg("growth_interval"), py::arg("min_scale"), py::arg("max_scale"),
         py::arg("hysteresis"), py::arg("check_only"), py::arg("accumulate"), py::arg("allow_fp16"),
-        py::arg("with_stats"), py::arg("unwrap") = py::none(), py::arg("headroom") = 0.0);
+        py::arg("with_stats"), py::arg("unwrap") = py::none(), py::arg("headroom") = 0.0,
+        py::arg("island_of") = py::none(), py::arg("island_inv") = std::nullopt);
   m.def("unscale_grads", &ampfused::unscale_grads, py::arg("param_groups"), py::arg("inv_scale"),
         py::arg("found_inf"), py::arg("allow_fp16"), py::arg("unwrap") = py::none());
   m.def("reduce_grad_stats", &ampfused::reduce_grad_stats, py::arg("item_rows"), py::arg("numels"));

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 
@@ -100,6 +101,32 @@ void check_grad_stats(const at::Tensor& t, at::TensorList grads, const at::Devic
               device, "; allocate it on the device of the gradients");
 }
 
+const float* check_islands(c10::IntArrayRef islands, const std::optional<at::Tensor>& island_inv,
+                           at::TensorList grads, const at::Device& device) {
+  if (islands.empty()) return nullptr;
+  TORCH_CHECK(islands.size() == grads.size(), "islands must give one island per gradient (0 for ",
+              "none), got ", islands.size(), " for ", grads.size(), " grads");
+  TORCH_CHECK_TYPE(island_inv.has_value() && island_inv->defined(),
+                   "island_inv is None but islands is given; pass a float32 tensor of each "
+                   "island's inverse factor (1 / f)");
+  const at::Tensor& t = *island_inv;
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided,
+                              "island_inv must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(),
+              "island_inv must be a contiguous 1-D float32 tensor (island k's 1 / f at k - 1), "
+              "got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, "island_inv is on ", t.device(), " but found_inf is on ",
+              device, "; keep it on the device of the gradients");
+  const int64_t count = std::min<int64_t>(t.numel(), std::numeric_limits<uint16_t>::max());
+  for (const auto i : c10::irange(islands.size())) {
+    TORCH_CHECK(islands[i] >= 0 && islands[i] <= count, "islands[", i, "] is ", islands[i],
+                "; an island is 0 (none) or 1..", count,
+                " (an entry of island_inv; 65535 at most)");
+  }
+  return t.const_data_ptr<float>();
+}
+
 PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
                          double growth_factor, double backoff_factor, int64_t growth_interval,
                          double min_scale, double max_scale, int64_t hysteresis, double headroom) {
@@ -165,46 +192,53 @@ struct Prepared {
   std::vector<std::function<void()>> write_back;
 };
 
-Prepared prepare(at::TensorList grads, bool check_only, bool with_stats) {
-  Prepared out;
-  out.spans.reserve(grads.size());
-  for (const at::Tensor& g : grads) {
-    if (g.numel() == 0) continue;
-    if (g.is_non_overlapping_and_dense()) {
-      // Any stride permutation of a dense block: the elementwise pass can walk raw memory.
-      out.spans.push_back({g.data_ptr(), g.numel(), g.scalar_type()});
-      continue;
-    }
-    if (provably_non_overlapping(g)) {
-      // Gaps between elements: work on a packed copy, then copy back.
-      at::Tensor packed = g.contiguous();
-      out.spans.push_back({packed.data_ptr(), packed.numel(), packed.scalar_type()});
-      out.keep_alive.push_back(packed);
-      if (!check_only) out.write_back.emplace_back([g, packed]() mutable { g.copy_(packed); });
-      continue;
-    }
-    // Overlapping elements (expanded or as_strided views): unscale each distinct memory location
-    // once, as a dense in-place pass over the underlying storage would.  Statistics are per
-    // element of the gradient, which such a pass does not visit one by one.
-    TORCH_CHECK_NOT_IMPLEMENTED(!with_stats,
-                                "grad_stats: a gradient's elements overlap in memory (an "
-                                "expanded or as_strided view, shape ",
-                                g.sizes(), ", strides ", g.strides(),
-                                "); per-gradient statistics need gradients whose elements have "
-                                "memory of their own: make it .contiguous()");
-    int64_t extent = 1;
-    for (const auto d : c10::irange(g.dim())) extent += (g.size(d) - 1) * g.stride(d);
-    const at::Tensor offsets =
-        at::arange(extent, g.options().dtype(at::kLong)).as_strided(g.sizes(), g.strides(), 0);
-    const at::Tensor distinct = std::get<0>(at::_unique(offsets.reshape(-1), /*sorted=*/true));
-    at::Tensor base = g.as_strided({extent}, {1}, g.storage_offset());
-    at::Tensor packed = base.index_select(0, distinct);
+// The one span of `g`: its own memory, or a packed copy written back after the pass.
+void add_span(Prepared& out, const at::Tensor& g, bool check_only, bool with_stats) {
+  if (g.is_non_overlapping_and_dense()) {
+    // Any stride permutation of a dense block: the elementwise pass can walk raw memory.
+    out.spans.push_back({g.data_ptr(), g.numel(), g.scalar_type()});
+    return;
+  }
+  if (provably_non_overlapping(g)) {
+    // Gaps between elements: work on a packed copy, then copy back.
+    at::Tensor packed = g.contiguous();
     out.spans.push_back({packed.data_ptr(), packed.numel(), packed.scalar_type()});
     out.keep_alive.push_back(packed);
-    if (!check_only) {
-      out.write_back.emplace_back(
-          [base, distinct, packed]() mutable { base.index_copy_(0, distinct, packed); });
-    }
+    if (!check_only) out.write_back.emplace_back([g, packed]() mutable { g.copy_(packed); });
+    return;
+  }
+  // Overlapping elements (expanded or as_strided views): unscale each distinct memory location
+  // once, as a dense in-place pass over the underlying storage would.  Statistics are per
+  // element of the gradient, which such a pass does not visit one by one.
+  TORCH_CHECK_NOT_IMPLEMENTED(!with_stats,
+                              "grad_stats: a gradient's elements overlap in memory (an "
+                              "expanded or as_strided view, shape ",
+                              g.sizes(), ", strides ", g.strides(),
+                              "); per-gradient statistics need gradients whose elements have "
+                              "memory of their own: make it .contiguous()");
+  int64_t extent = 1;
+  for (const auto d : c10::irange(g.dim())) extent += (g.size(d) - 1) * g.stride(d);
+  const at::Tensor offsets =
+      at::arange(extent, g.options().dtype(at::kLong)).as_strided(g.sizes(), g.strides(), 0);
+  const at::Tensor distinct = std::get<0>(at::_unique(offsets.reshape(-1), /*sorted=*/true));
+  at::Tensor base = g.as_strided({extent}, {1}, g.storage_offset());
+  at::Tensor packed = base.index_select(0, distinct);
+  out.spans.push_back({packed.data_ptr(), packed.numel(), packed.scalar_type()});
+  out.keep_alive.push_back(packed);
+  if (!check_only) {
+    out.write_back.emplace_back(
+        [base, distinct, packed]() mutable { base.index_copy_(0, distinct, packed); });
+  }
+}
+
+// `islands`: empty, or each gradient's scale island, given to its span.
+Prepared prepare(at::TensorList grads, bool check_only, bool with_stats, c10::IntArrayRef islands) {
+  Prepared out;
+  out.spans.reserve(grads.size());
+  for (const auto i : c10::irange(grads.size())) {
+    if (grads[i].numel() == 0) continue;
+    add_span(out, grads[i], check_only, with_stats);
+    if (!islands.empty()) out.spans.back().island = static_cast<int32_t>(islands[i]);
   }
   return out;
 }
@@ -212,8 +246,8 @@ Prepared prepare(at::TensorList grads, bool check_only, bool with_stats) {
 }  // namespace
 
 void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
-              LaunchFn launch) {
-  Prepared prep = prepare(grads, params.check_only, params.grad_stats != nullptr);
+              LaunchFn launch, c10::IntArrayRef islands) {
+  Prepared prep = prepare(grads, params.check_only, params.grad_stats != nullptr, islands);
   launch(prep.spans, params, found_inf);
   for (auto& fn : prep.write_back) fn();
 }

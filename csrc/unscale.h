@@ -51,6 +51,13 @@
 //     tensor that receives the pass header and per-item statistics (unscale_math.h, StatField;
 //     what each field means exactly: ampfused/reference.py, grad_stats).  Gradients with
 //     overlapping memory are refused when grad_stats is given.
+//     Scale islands: islands, when not empty, gives each gradient's island (0: none, k >= 1:
+//     island k, at most island_inv.numel() and 65535), and island_inv is a 1-D float32 tensor
+//     on the pass's device: a gradient of island k carries the scale times a power-of-two
+//     factor f_k, and island_inv[k - 1] = 1 / f_k.  Its elements are multiplied by the pass's
+//     multiplier times island_inv[k - 1] (PassParams::item_inv), its statistics are of those
+//     truly unscaled values, and it is left out of the measured magnitude; inf/NaN in it counts
+//     as anywhere.
 //
 //   ampfused::scaler_update_(Tensor found_inf, Tensor state, Tensor(a!) next_state,
 //       float growth_factor, float backoff_factor, int growth_interval, float min_scale,
@@ -98,6 +105,7 @@ struct Span {
   void* data;
   int64_t numel;
   c10::ScalarType dtype;
+  int32_t island = 0;  // scale island (PassParams::island_inv): 0 for none
 };
 
 // A backend's pass over all spans, every pointer on the device of `on_device` (found_inf).
@@ -132,8 +140,13 @@ PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
                          double growth_factor, double backoff_factor, int64_t growth_interval,
                          double min_scale, double max_scale, int64_t hysteresis, double headroom);
 // Packs the non-dense grads, launches the pass over dense spans, writes the packed ones back.
+// `islands`: empty, or each gradient's island (checked by check_islands).
 void run_pass(at::TensorList grads, const at::Tensor& found_inf, const PassParams& params,
-              LaunchFn launch);
+              LaunchFn launch, c10::IntArrayRef islands = {});
+// scaler_pass_'s islands and island_inv (the contract above); returns island_inv's data, or
+// null where islands is empty.
+const float* check_islands(c10::IntArrayRef islands, const std::optional<at::Tensor>& island_inv,
+                           at::TensorList grads, const at::Device& device);
 
 // The op kernels of one backend, instantiated with its launcher where that backend registers
 // them (csrc/cpu/unscale_cpu.cpp, csrc/cuda/unscale_cuda_ops.cpp): the checks and the
@@ -193,13 +206,15 @@ struct Kernels {
                            const std::optional<at::Tensor>& grad_stats, double growth_factor,
                            double backoff_factor, int64_t growth_interval, double min_scale,
                            double max_scale, int64_t hysteresis, bool check_only, bool accumulate,
-                           double headroom) {
+                           double headroom, c10::IntArrayRef islands,
+                           const std::optional<at::Tensor>& island_inv) {
     const at::Device device = check_found_inf(found_inf);
     check_scaler_state(state, "state", device);
     check_scaler_state(next_state, "next_state", device);
     check_grads(grads, device);
     const bool stats = grad_stats.has_value() && grad_stats->defined();
     if (stats) check_grad_stats(*grad_stats, grads, device);
+    const float* inv_of_island = check_islands(islands, island_inv, grads, device);
     PassParams p = scaler_params(state, next_state, growth_factor, backoff_factor, growth_interval,
                                  min_scale, max_scale, hysteresis, headroom);
     p.check_only = check_only;
@@ -207,7 +222,8 @@ struct Kernels {
     p.overwrite_found_inf = true;
     p.accumulate = accumulate;
     if (stats) p.grad_stats = grad_stats->mutable_data_ptr<double>();
-    run_pass(grads, found_inf, p, Launch);
+    p.island_inv = inv_of_island;
+    run_pass(grads, found_inf, p, Launch, inv_of_island != nullptr ? islands : c10::IntArrayRef());
   }
 
   static void scaler_update_(const at::Tensor& found_inf, const at::Tensor& state,

@@ -627,6 +627,18 @@ struct PassParams {
   // scaler_update_: the iteration's measured magnitude as the passes left it in next_state
   // (kStateMagnitude; read before next_state is written), combined with found_in.
   const int32_t* magnitude_in = nullptr;
+  // Scale islands (scaler_pass_'s islands/island_inv): an item of island k >= 1 carries the
+  // global scale times the island's power-of-two factor, so its multiplier is the pass's times
+  // island_inv[k - 1] (item_inv; exact: a product by a power of two), its statistics are of its
+  // truly unscaled values, and it is not in the measured magnitude (the island's factor has its
+  // own rule).  Null: no island in the pass.
+  const float* island_inv = nullptr;
+
+  // What an item of `island` is multiplied by, given the pass's multiplier (inv_scale(), or
+  // stats_inv_scale() for what the statistics see).
+  AMPFUSED_INLINE float item_inv(float inv, int island) const {
+    return island == 0 ? inv : inv * island_inv[island - 1];
+  }
 
   // What each element is multiplied by; a check-only pass reads no scale (1 is never applied).
   AMPFUSED_INLINE float inv_scale() const {

@@ -34,7 +34,10 @@ def decode(tensors: list[torch.Tensor]) -> tuple[int, list[Launch]]:
     while pos < len(raw):
         capacity, count = struct.unpack_from("<qq", raw, pos)
         pos += 16
-        items = [struct.unpack_from("<QIi", raw, pos + 16 * i) for i in range(count)]
+        # (pointer, numel, dtype, island): no island in these passes
+        items = [struct.unpack_from("<QIhH", raw, pos + 16 * i) for i in range(count)]
+        assert all(item[3] == 0 for item in items)
+        items = [item[:3] for item in items]
         pos += 16 * count
         out.append((capacity, items))
     return uniform, out

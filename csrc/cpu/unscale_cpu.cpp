@@ -497,7 +497,7 @@ bool stats_span(const Span& s, int64_t begin, int64_t end, float inv, bool check
 
 // The pass with statistics: rows 1.. of the table are the items in span order.
 void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
-  const float inv = a.stats_inv_scale();
+  const float inv = a.stats_inv_scale();  // (times an island's inverse factor: item_inv)
   std::vector<Piece> items;
   int64_t total_bytes = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
@@ -508,7 +508,8 @@ void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
   }
   const auto run = [&](int64_t k) {
     const Piece& pc = items[k];
-    return stats_span(spans[pc.span], pc.begin, pc.end, inv, a.check_only,
+    const Span& sp = spans[pc.span];
+    return stats_span(sp, pc.begin, pc.end, a.item_inv(inv, sp.island), a.check_only,
                       a.grad_stats + (1 + k) * kStatFields);
   };
   const auto num_items = static_cast<int64_t>(items.size());
@@ -522,6 +523,7 @@ void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
   if (a.measures()) {
     const float scale = *a.scale;
     for (int64_t k = 0; k < num_items; ++k) {
+      if (spans[items[k].span].island != 0) continue;  // (an island's: not the global scale's)
       const double abs_max = a.grad_stats[(1 + k) * kStatFields + kStatAbsMax];
       mag = max_bits(mag, stat_magnitude_bits(abs_max, scale));
     }
@@ -533,7 +535,7 @@ void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
 
 void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const at::Tensor&) {
   if (a.grad_stats != nullptr) return launch_stats_cpu(spans, a);
-  const float inv = a.inv_scale();
+  const float inv = a.inv_scale();  // (an island's span: times its inverse factor, item_inv)
   int64_t total_bytes = 0;
   for (const Span& sp : spans)
     total_bytes += sp.numel * static_cast<int64_t>(c10::elementSize(sp.dtype));
@@ -542,8 +544,9 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
     bool found = false;
     uint32_t mag = 0;
     for (const Span& sp : spans) {
-      found |= measure ? measure_span(sp, 0, sp.numel, inv, a.check_only, &mag)
-                       : process_span(sp, 0, sp.numel, inv, a.check_only);
+      const float sp_inv = a.item_inv(inv, sp.island);
+      found |= measure && sp.island == 0 ? measure_span(sp, 0, sp.numel, sp_inv, a.check_only, &mag)
+                                         : process_span(sp, 0, sp.numel, sp_inv, a.check_only);
     }
     finish_pass(found, mag, a);
     return;
@@ -566,8 +569,10 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
     for (int64_t k = first; k < last; ++k) {
       const Piece& pc = pieces[k];
       const Span& sp = spans[pc.span];
-      any |= measure ? measure_span(sp, pc.begin, pc.end, inv, a.check_only, &mag)
-                     : process_span(sp, pc.begin, pc.end, inv, a.check_only);
+      const float sp_inv = a.item_inv(inv, sp.island);
+      any |= measure && sp.island == 0
+                 ? measure_span(sp, pc.begin, pc.end, sp_inv, a.check_only, &mag)
+                 : process_span(sp, pc.begin, pc.end, sp_inv, a.check_only);
     }
     uint32_t seen = top.load(std::memory_order_relaxed);
     while (mag > seen && !top.compare_exchange_weak(seen, mag)) {

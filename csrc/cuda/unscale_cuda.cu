@@ -233,10 +233,10 @@ template <bool kCheckOnly, bool kFloatOnly, bool kStats, bool kMeasure, int64_t 
 __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnlyMinBlocks : 1)
     unscale_kernel(const __grid_constant__ KernelArgs<kCapacity> k) {
   // In a check-only pass visit() ignores inv; the statistics still see unscaled values.
-  const float inv = kStats ? k.pass.stats_inv_scale() : k.pass.inv_scale();
-  const bool inv_is_one = inv == 1.0f;
-  const float measure_scale = kStats && k.pass.measures() ? *k.pass.scale : 0.0f;
+  const float pass_inv = kStats ? k.pass.stats_inv_scale() : k.pass.inv_scale();
+  const float pass_measure_scale = kStats && k.pass.measures() ? *k.pass.scale : 0.0f;
   uint32_t mag = 0;
+  uint32_t island_mag = 0;  // what an island's item measures: not the global scale's (dropped)
   bool bad = false;
   const int stride = static_cast<int>(gridDim.x);
   int c = static_cast<int>(blockIdx.x);
@@ -247,6 +247,11 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
   for (; c < k.num_items; c += stride) {
     const WorkItem w = next;
     if (c + stride < k.num_items) next = k.items[c + stride];
+    // Uniform across the block, as the item is.
+    const float inv = k.pass.item_inv(pass_inv, w.island);
+    const bool inv_is_one = inv == 1.0f;
+    const float measure_scale = w.island == 0 ? pass_measure_scale : 0.0f;
+    uint32_t& item_mag = w.island == 0 ? mag : island_mag;
     if constexpr (kStats) {
       double* row = k.pass.grad_stats + (1 + k.first_item + c) * kStatFields;
       visit_grad_dtype(static_cast<c10::ScalarType>(w.dtype), [&](auto tag) {
@@ -254,12 +259,12 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
         if constexpr (!kFloatOnly || std::is_same_v<T, float>) {
           bad |= process_chunk_stats<T, kCheckOnly>(
               static_cast<T*>(w.data), static_cast<int>(w.numel), static_cast<opmath_t<T>>(inv),
-              inv_is_one, row, measure_scale, mag);
+              inv_is_one, row, measure_scale, item_mag);
         }
       });
     } else if constexpr (kFloatOnly) {
       bad |= process_chunk<float, kCheckOnly, kMeasure>(
-          static_cast<float*>(w.data), static_cast<int>(w.numel), inv, inv_is_one, mag);
+          static_cast<float*>(w.data), static_cast<int>(w.numel), inv, inv_is_one, item_mag);
     } else {
       // Uniform across the block (one item, one tensor): no divergence.  Other dtypes are
       // rejected on the host.
@@ -267,7 +272,7 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
         using T = typename decltype(tag)::type;
         bad |= process_chunk<T, kCheckOnly, kMeasure>(
             static_cast<T*>(w.data), static_cast<int>(w.numel), static_cast<opmath_t<T>>(inv),
-            inv_is_one, mag);
+            inv_is_one, item_mag);
       });
     }
   }

@@ -1,0 +1,558 @@
+"""Scale islands: parts of a model whose backward runs at their own loss scale.
+
+One loss scale cannot keep every activation gradient inside float16's range when a network's
+gradients span more binades than float16 holds: the largest sit at the overflow edge while a
+layer's own gradients sit many binades lower, in float16's subnormals or at zero.  An island is
+a module whose backward runs at the global scale times its own power-of-two factor f:
+
+* on entry to its backward (the gradients of its outputs) the gradient is multiplied by f; on
+  exit (the gradients of its inputs) by 1 / f.  Every tensor that meets another outside the
+  island is at the global scale, so residual additions, outputs with several consumers, inputs
+  that need no gradient and nested islands (a factor relative to the enclosing island's) are
+  correct by construction;
+* its parameters' gradients carry the global scale times f: the scaler's fused pass unscales
+  each gradient by its own factor, in the same single pass (``ops.scaler_pass_``'s
+  ``islands``/``island_inv``);
+* f follows the headroom rule from the island's own measurements, with its own history: the
+  largest traced activation gradient of the modules inside it and its parameters' largest
+  gradient, at the island's scale.  An overflow inside an island skips the step as any does
+  and backs the island off (and the global scale, as any overflow does).  The global scale
+  reads only what lies outside every island.
+
+Powers of two make the scaling exact except where a value leaves float16's range: a gradient
+leaving an island at 1 / f can still flush to zero where it is below float16's smallest
+subnormal at the global scale (it would have there without the island too; inside the island
+it no longer does).
+
+float32 islands (:mod:`ampfused.islands`, ``keep_float32``) are the other remedy: they change
+the dtype a part of the model runs in, which covers the forward pass as well and costs its
+speed; scale islands change nothing in the forward pass and cost two multiplies per edge in
+backward.  A float32 island's gradients need no scale island.
+
+``islands="auto"`` chooses from the first traced iteration with no inf/NaN (:func:`choose`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ampfused import ops
+from ampfused._scale_state import MAGNITUDE, STATE_SIZE
+
+__all__ = ["Islands", "check_islands_argument", "choose", "AUTO_GAP", "AUTO_SPREAD"]
+
+# islands="auto": a module becomes an island where its largest traced activation gradient sits
+# at least AUTO_GAP binades below the whole model's and the traced gradients inside it span at
+# most AUTO_SPREAD binades (one factor serves them all); else its children are looked at.
+AUTO_GAP = 4
+AUTO_SPREAD = 6
+_F32_MAX = torch.finfo(torch.float32).max
+_FACTOR_EXPONENT = 100  # factors are kept within 2^-100 .. 2^100
+
+
+def check_islands_argument(where: str, islands: Any, policy: str, scaling: bool) -> Any:
+    """The constructor's ``islands``: None, "auto" or module names; islands need the headroom
+    policy (their factors follow it) and scaling."""
+    if islands is None:
+        return None
+    if isinstance(islands, str) and islands != "auto":
+        raise ValueError(
+            f"{where}: islands must be None, 'auto' or a list of module names (as "
+            f"model.named_modules() gives them), got {islands!r}; for one module pass "
+            f"islands=[{islands!r}]"
+        )
+    if not isinstance(islands, str):
+        try:
+            names = list(islands)
+        except TypeError as e:
+            raise TypeError(
+                f"{where}: islands must be None, 'auto' or module names, got "
+                f"{type(islands).__name__}"
+            ) from e
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(
+                f"{where}: islands names modules by their names in model.named_modules(); got "
+                f"{bad[0]!r} ({type(bad[0]).__name__})"
+            )
+        if not names:
+            raise ValueError(f"{where}: islands=[] names no module; leave islands out (None)")
+        islands = tuple(names)
+    if policy != "headroom":
+        raise ValueError(
+            f"{where}: islands={islands!r} need policy='headroom' (each island's factor follows "
+            "the headroom rule from its own measured gradients); pass policy='headroom' too"
+        )
+    if not scaling:
+        raise ValueError(
+            f"{where}: islands scale parts of the backward pass, and scaling=False keeps every "
+            "scale at 1; leave islands out"
+        )
+    return islands
+
+
+def _inside(name: str, island: str) -> bool:
+    return name == island or name.startswith(island + ".")
+
+
+class Islands:
+    """The islands of one model: the hooks that scale their edges, each island's state (a
+    scaler state row, the scale in force inside it = global scale times its factor), its
+    factor, and which parameters and traced modules belong to it."""
+
+    def __init__(self, model: torch.nn.Module, names: Iterable[str], where: str) -> None:
+        modules = dict(model.named_modules())
+        names = list(names)
+        for n in names:
+            if n not in modules:
+                raise ValueError(
+                    f"{where}: islands names {n!r}, which the model does not have; pass names "
+                    "as model.named_modules() gives them"
+                )
+            if n == "":
+                raise ValueError(
+                    f"{where}: the island '' is the whole model, which is the global scale "
+                    "itself; name the modules inside it"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: islands names a module twice: {names!r}")
+        # Outer islands first, so an island's parent (the innermost enclosing one) comes before
+        # it; island k (1-based in the pass) is self.names[k - 1].
+        self.names = sorted(names, key=lambda n: (n.count("."), n))
+        self.parent = [
+            max(
+                (j for j in range(k) if _inside(self.names[k], self.names[j])),
+                key=lambda j: len(self.names[j]),
+                default=-1,
+            )
+            for k in range(len(self.names))
+        ]
+        # Parameters by identity: the innermost island holding each.
+        self.of_param: dict[int, int] = {}
+        for k, n in enumerate(self.names):
+            for p in modules[n].parameters():
+                self.of_param[id(p)] = k + 1
+        self._check_tied(model, where)
+        self._of_module: dict[str, int] = {}
+        self.model_params = [p for _, p in model.named_parameters()]  # (keeps the ids valid)
+        device = next((p.device for p in self.model_params), torch.device("cpu"))
+        count = len(self.names)
+        # The factors (f, relative to the global scale), their inverses (the pass's island_inv)
+        # and each island's factor relative to its parent (what its edges multiply by), on the
+        # model's device; updated in place, so the hooks read the iteration's.
+        self.factor = torch.ones(count, dtype=torch.float32, device=device)
+        self.inv = torch.ones(count, dtype=torch.float32, device=device)
+        self.edge = torch.ones(count, dtype=torch.float32, device=device)
+        self.edge_inv = torch.ones(count, dtype=torch.float32, device=device)
+        self.state: torch.Tensor | None = None  # [count, STATE_SIZE] int32, made with the scale's
+        self.next: torch.Tensor | None = None
+        self.loaded: list | None = None  # a checkpoint's rows, for the lazy init
+        self.committable = False  # whether `next` holds this iteration's update
+        self._handles = []
+        for k, n in enumerate(self.names):
+            module = modules[n]
+            self._handles.append(
+                module.register_forward_pre_hook(self._entering(k), with_kwargs=True)
+            )
+            # prepend: before a tracer's hook, which then records the island's own scale
+            self._handles.append(module.register_forward_hook(self._leaving(k), prepend=True))
+
+    def _check_tied(self, model: torch.nn.Module, where: str) -> None:
+        """A parameter an island shares with a module outside it would get the sum of
+        gradients at two scales: refused."""
+        for name, module in model.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                k = self.of_param.get(id(p), 0)
+                if k and not _inside(name, self.names[k - 1]):
+                    raise ValueError(
+                        f"{where}: the parameter {name + '.' if name else ''}{pname} is shared "
+                        f"by the island {self.names[k - 1]!r} and a module outside it (tied "
+                        "weights): its gradient would sum two scales.  Leave that island out, "
+                        "or name the module that holds both uses"
+                    )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # -- the edges
+    def _entering(self, k: int) -> Any:
+        """The pre-hook: each input that needs a gradient goes in as a view whose gradient
+        (what leaves the island in backward) is multiplied by the island's 1 / f."""
+        factor = self.edge_inv[k]
+
+        def scale(g: torch.Tensor) -> torch.Tensor:
+            return g * factor
+
+        def wrap(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                if v.requires_grad and v.is_floating_point():
+                    v = v.view_as(v)
+                    v.register_hook(scale)
+                return v
+            if type(v) in (tuple, list):
+                return type(v)(wrap(x) for x in v)
+            if type(v) is dict:
+                return {key: wrap(x) for key, x in v.items()}
+            return v
+
+        def hook(module: Any, args: tuple, kwargs: dict) -> Any:
+            if not torch.is_grad_enabled():
+                return None
+            return wrap(args), wrap(kwargs)
+
+        return hook
+
+    def _leaving(self, k: int) -> Any:
+        """The forward hook: the gradient of each output (what enters the island in backward)
+        is multiplied by the island's f."""
+        factor = self.edge[k]
+
+        def scale(g: torch.Tensor) -> torch.Tensor:
+            return g * factor
+
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for t in _tensors(output):
+                if t.requires_grad and t.is_floating_point():
+                    t.register_hook(scale)
+
+        return hook
+
+    # -- membership
+    def island_of_module(self, name: str) -> int:
+        """The innermost island (1-based) holding the module `name`, 0 for none."""
+        k = self._of_module.get(name)
+        if k is None:
+            k = 0
+            for j in range(len(self.names) - 1, -1, -1):  # (inner islands are later)
+                if _inside(name, self.names[j]):
+                    k = j + 1
+                    break
+            self._of_module[name] = k
+        return k
+
+    def of_groups(self, flat: list) -> list[int]:
+        """Each parameter position's island (the pass's ``island_of``)."""
+        get = self.of_param.get
+        return [get(id(p), 0) for p in flat]
+
+    # -- the state
+    def ensure_state(self, scale: torch.Tensor, global_state: torch.Tensor) -> None:
+        """Each island's state, made at the first pass from the global one (factor 1) or from a
+        loaded checkpoint."""
+        if self.state is not None and self.state.device == scale.device:
+            return
+        if self.factor.device != scale.device:
+            raise NotImplementedError(
+                f"scale islands: the model is on {self.factor.device} but the scale on "
+                f"{scale.device}; islands need both on one device"
+            )
+        if self.loaded is not None:
+            self.state = torch.tensor(self.loaded, dtype=torch.int32, device=scale.device)
+        else:
+            self.state = global_state.reshape(1, STATE_SIZE).repeat(len(self.names), 1)
+            self.state[:, MAGNITUDE] = 0
+        self.next = torch.empty_like(self.state)
+        self.refresh(scale)
+
+    def scales(self) -> torch.Tensor:
+        assert self.state is not None
+        return self.state[:, 0].view(torch.float32)
+
+    def refresh(self, scale: torch.Tensor) -> None:
+        """Each factor from the island's scale and the global one, rounded to a power of two;
+        the island's scale made exactly the global scale times it (no sync)."""
+        ratio = self.scales().double() / scale.double()
+        exponent = torch.log2(ratio).round().clamp(-_FACTOR_EXPONENT, _FACTOR_EXPONENT)
+        exponent = torch.where(torch.isfinite(ratio) & (ratio > 0), exponent, 0.0)
+        factor = torch.exp2(exponent).float()
+        self._set_factors(factor)
+        self.scales().copy_((scale.double() * factor.double()).float())
+
+    def _set_factors(self, factor: torch.Tensor) -> None:
+        factor = factor.to(self.factor.device)
+        self.factor.copy_(factor)
+        self.inv.copy_(factor.reciprocal())
+        parents = torch.tensor([max(p, 0) for p in self.parent], device=factor.device)
+        has_parent = torch.tensor([p >= 0 for p in self.parent], device=factor.device)
+        edge = torch.where(has_parent, factor / factor[parents], factor)
+        self.edge.copy_(edge)
+        self.edge_inv.copy_(edge.reciprocal())
+
+    def load_rows(self, rows: list, scale: float) -> None:
+        """A checkpoint's state rows, with the global scale it holds: the factors set now (the
+        next forward pass runs at them), the state made again at the next pass."""
+        self.loaded, self.state, self.next, self.committable = rows, None, None, False
+        bits = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+        ratio = bits.view(torch.float32).double() / scale
+        exponent = torch.log2(ratio).round().clamp(-_FACTOR_EXPONENT, _FACTOR_EXPONENT)
+        exponent = torch.where(torch.isfinite(ratio) & (ratio > 0), exponent, 0.0)
+        self._set_factors(torch.exp2(exponent).float())
+
+    def prepare_next(
+        self,
+        scale: torch.Tensor,
+        tables: list,
+        rows: list,
+        policy: tuple,
+    ) -> None:
+        """Each island's update into `next`, from this iteration's statistics tables (its
+        parameters' rows) and traced rows (its modules' backward float16 rows): the largest
+        magnitude at the island's scale, and whether any was inf/NaN."""
+        assert self.state is not None and self.next is not None
+        dev = self.state.device
+        count = len(self.names)
+        top = torch.zeros(count + 1, dtype=torch.float64, device=dev)
+        bad = torch.zeros(count + 1, dtype=torch.float64, device=dev)
+        for table, positions, groups in tables:
+            if table.device != dev:
+                continue
+            of = self.of_groups([p for g in groups for p in g["params"]])
+            per_grad = torch.tensor([of[p] for p in positions[:, 0].tolist()], dtype=torch.long)
+            rows_per_grad = (positions[:, 1] + ops.CHUNK_SIZE - 1) // ops.CHUNK_SIZE
+            ids = per_grad.repeat_interleave(rows_per_grad).to(dev)
+            items = table[1:]
+            top.scatter_reduce_(0, ids, items[:, 1], "amax")
+            bad.scatter_add_(0, ids, items[:, 2:5].sum(1))
+        # (the parameters' abs-max is of unscaled values: at the island's scale)
+        top[1:] *= self.scales().double()
+        act_top, act_bad = [], []
+        for name, _, direction, _, table, _, dtype, input_rows in rows:
+            if direction != "backward" or dtype != torch.float16 or table.device != dev:
+                continue
+            k = self.island_of_module(name)
+            if k:
+                out = table[1 + input_rows :]
+                act_top.append((k, out[:, 1].max()))
+                act_bad.append((k, out[:, 2:5].sum()))
+        if act_top:
+            ids = torch.tensor([k for k, _ in act_top], device=dev)
+            top.scatter_reduce_(0, ids, torch.stack([v for _, v in act_top]), "amax")
+            bad.scatter_add_(0, ids, torch.stack([v for _, v in act_bad]))
+        found = (bad[1:] > 0).float()
+        magnitude = top[1:].clamp(max=_F32_MAX).float()
+        self.next[:, MAGNITUDE] = magnitude.view(torch.int32)
+        for k in range(count):
+            ops.scaler_update_(found[k], self.state[k], self.next[k], *policy)
+
+    def commit(self, scale: torch.Tensor) -> None:
+        """`next` becomes each island's state; the factors follow the new global scale."""
+        assert self.state is not None and self.next is not None
+        self.state.copy_(self.next)
+        self.refresh(scale)
+
+    def global_scale(self) -> float | None:
+        """The global scale the state rows go with (their scale over their factor; a sync)."""
+        if self.state is None:
+            return None
+        return float(self.scales()[0].double() / self.factor[0].double())
+
+    def checkpoint(self) -> dict[str, Any]:
+        rows = self.state.tolist() if self.state is not None else self.loaded
+        return {"names": list(self.names), "states": rows}
+
+    def factors(self) -> dict[str, float]:
+        """Each island's factor f (relative to the global scale), by name (a sync)."""
+        return dict(zip(self.names, self.factor.tolist(), strict=True))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    out: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
+
+
+def choose(model: torch.nn.Module, rows: list) -> list[str]:
+    """``islands="auto"``: from one iteration's traced backward float16 rows (scaled values),
+    the islands to make.  Walking down from the model's children, a module becomes an island
+    where (1) the largest traced activation gradient inside it sits at least AUTO_GAP binades
+    below the whole model's largest, (2) the traced gradients inside it (each module's
+    largest) span at most AUTO_SPREAD binades, and (3) it shares no parameter with a module
+    outside it, and holds parameters; else its children are looked at.  Returns [] where none
+    qualifies or the iteration held inf/NaN (a sync: one copy of the rows' figures)."""
+    tops: dict[str, float] = {}
+    values = [
+        (name, table[1 + input_rows :, 1:5])
+        for name, _, direction, _, table, _, dtype, input_rows in rows
+        if direction == "backward" and dtype == torch.float16
+    ]
+    if not values:
+        return []
+    # (per row: the largest finite magnitude, and inf/NaN counts)
+    both = torch.stack([torch.stack((v[:, 0].max(), v[:, 1:].sum())).cpu() for _, v in values])
+    if bool((both[:, 1] > 0).any()):
+        return []  # (an overflowing iteration: the next clean one decides)
+    got = both[:, 0].tolist()
+    for (name, _), v in zip(values, got, strict=True):
+        tops[name] = max(tops.get(name, 0.0), v)
+    overall = max(tops.values())
+    if not overall > 0:
+        return []
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+
+    def qualifies(name: str, module: torch.nn.Module) -> bool:
+        inside = [v for n, v in tops.items() if _inside(n, name) and v > 0]
+        if not inside:
+            return False
+        high, low = max(inside), min(inside)
+        if math.log2(overall / high) < AUTO_GAP or math.log2(high / low) > AUTO_SPREAD:
+            return False
+        params = list(module.parameters())
+        return bool(params) and all(
+            all(_inside(o, name) for o in owners[id(p)]) for p in params
+        )
+
+    chosen: list[str] = []
+
+    def walk(prefix: str, module: torch.nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if qualifies(name, child):
+                chosen.append(name)
+            else:
+                walk(name, child)
+
+    walk("", model)
+    return chosen
+
+
+# ----------------------------------------------------------------------------- the scaler's side
+CHECKPOINT_KEY = "ampfused_islands"
+
+
+class ScalerIslands:
+    """What a GradScaler with ``islands=`` keeps: the argument, the model (from ``watch``),
+    the installed :class:`Islands` (for "auto": once chosen), a checkpoint's rows."""
+
+    __slots__ = ("argument", "model", "islands", "loaded")
+
+    def __init__(self, argument: Any) -> None:
+        self.argument = argument
+        self.model: torch.nn.Module | None = None
+        self.islands: Islands | None = None
+        self.loaded: dict | None = None
+
+    def attach(self, where: str, parameters: Any, activations: Any) -> None:
+        """watch(model, activations=...): the model the islands live in."""
+        if not isinstance(parameters, torch.nn.Module) or activations is False:
+            raise ValueError(
+                f"{where}: a scaler with islands={self.argument!r} measures each island from "
+                "its traced activation gradients: call watch(model, activations=True) with the "
+                "model itself"
+            )
+        if self.islands is not None:
+            self.islands.remove()
+            self.islands = None
+        self.model = parameters
+        if self.argument != "auto":
+            self._install(self.argument, where)
+
+    def detach(self) -> None:
+        """unwatch(): the hooks removed; a later watch() installs the islands again."""
+        if self.islands is not None:
+            self.islands.remove()
+            entry = self.islands.checkpoint()
+            scale = self.islands.global_scale()
+            if entry["states"] is not None and scale is not None:
+                self.loaded = (entry, scale)
+        self.islands = None
+        self.model = None
+
+    def _install(self, names: Iterable[str], where: str) -> None:
+        assert self.model is not None
+        self.islands = Islands(self.model, names, where)
+        if self.loaded is not None and self.loaded[0]["names"] == list(self.islands.names):
+            self.islands.load_rows(self.loaded[0]["states"], self.loaded[1])
+        self.loaded = None
+
+    def active(self, where: str) -> Islands | None:
+        """The islands of a pass (None: none yet, "auto" before its choice); a scaler with
+        islands but no watched model is refused."""
+        if self.model is None:
+            raise RuntimeError(
+                f"{where}: the scaler was made with islands={self.argument!r} but no model is "
+                "watched; call scaler.watch(model, activations=True) before the first step"
+            )
+        return self.islands
+
+    def before_update(self, scaler: Any, policy: tuple) -> None:
+        """update(), before the global scale is committed: each island's update computed from
+        this iteration's tables and traced rows, or, for "auto", the islands chosen."""
+        watch = scaler._watch
+        if self.model is None or watch is None or watch.tracer is None:
+            return
+        if self.islands is None:
+            if self.argument == "auto" and watch.tracer.now and watch.now:
+                names = choose(self.model, watch.tracer.now)
+                if names:
+                    self._install(names, "GradScaler(islands='auto')")
+            return
+        if self.islands.state is not None and watch.now:
+            self.islands.prepare_next(scaler._scale, watch.now, watch.tracer.now, policy)
+            self.islands.committable = True
+
+    def after_update(self, scaler: Any) -> None:
+        """update(), after: the islands' updates committed and their factors moved with the
+        global scale."""
+        islands = self.islands
+        if islands is None or islands.state is None:
+            return
+        if islands.committable:
+            islands.commit(scaler._scale)
+            islands.committable = False
+        else:
+            islands.refresh(scaler._scale)
+
+    def checkpoint(self) -> dict | None:
+        if self.islands is not None:
+            return self.islands.checkpoint()
+        return None if self.loaded is None else self.loaded[0]
+
+    def load(self, entry: Any, scale: float) -> None:
+        """load_state_dict: the islands' rows (checked), with the global scale loaded."""
+        if entry is None:
+            return
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("names"), list)
+            and isinstance(entry.get("states"), list)
+            and all(
+                isinstance(r, list) and len(r) == STATE_SIZE and all(type(v) is int for v in r)
+                for r in entry["states"]
+            )
+            and len(entry["states"]) == len(entry["names"])
+        ):
+            raise ValueError(
+                f"load_state_dict: state_dict[{CHECKPOINT_KEY!r}] must be what state_dict() "
+                f"wrote (island names and a state row of {STATE_SIZE} ints each), got "
+                f"{type(entry).__name__}"
+            )
+        self.loaded = (entry, scale)
+        if self.islands is not None and entry["names"] == list(self.islands.names):
+            self.islands.load_rows(entry["states"], scale)
+            self.loaded = None
+        elif self.islands is None and self.argument == "auto" and self.model is not None:
+            self._install(entry["names"], "load_state_dict")

@@ -203,7 +203,17 @@ class Tracer:
         if scratch is None:
             scratch = self._scratch[device] = _Scratch(device)
         table = torch.empty((rows, _FIELDS), dtype=torch.float64, device=device)
-        args = (ins + outs, scratch.found, scratch.state, scratch.next, table, *READ_ONLY_PASS, 0.0, (), None)
+        args = (
+            ins + outs,
+            scratch.found,
+            scratch.state,
+            scratch.next,
+            table,
+            *READ_ONLY_PASS,
+            0.0,
+            (),
+            None,
+        )
         if _C.scaler_pass_(*args) is not None:  # (NotImplemented: a subclass, a mode: torch.ops)
             _SCALER_PASS(*args)
         self.now.append((name, call, direction, recompute, table, numel, dtype, input_rows))

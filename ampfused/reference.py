@@ -663,7 +663,7 @@ def scaler_pass_(
         assert island_inv is not None
         return inv * island_inv[k - 1 : k].cpu()
 
-    outside = [g for g, k in zip(grads, of) if k == 0]
+    outside = [g for g, k in zip(grads, of, strict=True) if k == 0]
     measured = 0.0
     if headroom > 0 and grad_stats is None:
         measured = magnitude(outside)
@@ -672,15 +672,15 @@ def scaler_pass_(
         grad_stats[0, 0] = float(scale.item())
         grad_stats[0, 1] = float(state[3].item())  # steps
         grad_stats[0, 2] = 1.0 if found else 0.0
-        rows = [_stat_rows([g], inv_of(k), check_only) for g, k in zip(grads, of)]
+        rows = [_stat_rows([g], inv_of(k), check_only) for g, k in zip(grads, of, strict=True)]
         if rows:
             grad_stats[1:] = torch.cat(rows).to(grad_stats.device)
         if headroom > 0:
-            mine = [r for r, k in zip(rows, of) if k == 0]
+            mine = [r for r, k in zip(rows, of, strict=True) if k == 0]
             if mine:
                 measured = stat_magnitude(torch.cat(mine), float(scale.item()))
     if not check_only:
-        for g, k in zip(grads, of):
+        for g, k in zip(grads, of, strict=True):
             _unscale_([g], float(inv_of(k).item()))
     found_inf.fill_(1.0 if found else 0.0)
     if accumulate:  # (as unsigned bits: inf, NaN and negative bits count as found)

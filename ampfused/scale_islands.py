@@ -421,9 +421,7 @@ def choose(model: torch.nn.Module, rows: list) -> list[str]:
         if math.log2(overall / high) < AUTO_GAP or math.log2(high / low) > AUTO_SPREAD:
             return False
         params = list(module.parameters())
-        return bool(params) and all(
-            all(_inside(o, name) for o in owners[id(p)]) for p in params
-        )
+        return bool(params) and all(all(_inside(o, name) for o in owners[id(p)]) for p in params)
 
     chosen: list[str] = []
 

@@ -530,6 +530,89 @@ def test_magnitude_wherever_the_largest_element_sits(host, dtype: torch.dtype) -
             run_three(host, "scaler_pass_", args)
 
 
+# ------------------------------------------------------------------------------ scale islands
+ISLAND_INV = (2.0**-3, 2.0**5, 1.0, 2.0**-20)  # island k's 1 / f at k - 1
+
+
+def _island_set(form: str) -> tuple[list[torch.Tensor], tuple[int, ...], float]:
+    """Gradients of several islands and none, mixed dtypes, misaligned views, several items
+    and ("many") several launches, the largest element of all in an island (a float16 item,
+    lane 5 of a vector of an odd thread); returns them, each one's island, and the largest
+    finite |v| outside every island."""
+    if form == "many":  # (three launches of small gradients)
+        grads = [_values(3 + k % 4, (F32, F16, BF16)[k % 3], k) for k in range(2 * LARGE + 9)]
+    else:
+        grads = [
+            _values(CHUNK + 77, F32, 1),
+            _values(1000, F16, 2)[3:],  # (misaligned: a scalar head)
+            _values(2 * CHUNK + 5, BF16, 3),
+            _values(517, F64, 4),
+            _values(4096, F16, 5),
+            _values(300, F32, 6)[1:],
+        ]
+    islands = tuple((0, 1, 2, 0, 3, 4)[k % 6] for k in range(len(grads)))
+    for g in grads:
+        g.clamp_(-1000.0, 1000.0)
+    big = [k for k, i in enumerate(islands) if i and grads[k].dtype == F16][0]
+    grads[big][(33 * 8 + 5) % grads[big].numel()] = 30000.0
+    outside = max(
+        float(g.double().abs().max()) for g, i in zip(grads, islands, strict=True) if not i
+    )
+    return grads, islands, outside
+
+
+@pytest.mark.parametrize("form", ["items", "many"])
+def test_islands_each_gradient_at_its_own_factor(host, schedule: str, form: str) -> None:  # noqa: ANN001
+    """Scale islands in the pass (scaler_pass_'s islands/island_inv): each gradient unscaled by
+    the pass's inverse scale times its island's, the statistics of those truly unscaled values,
+    the measured magnitude of the gradients outside every island only (the largest element,
+    planted in an island, must not reach it), in writing, check-only and statistics passes: the
+    same bits three ways.  An item handed the pass's inverse alone, or its island's neighbour's,
+    or measured into the global magnitude, differs."""
+    if form == "many" and schedule != "grid3-inflight2":
+        pytest.skip("three launches of small gradients run in one schedule")
+    grads, islands, outside = _island_set(form)
+    inv = torch.tensor(ISLAND_INV, dtype=F32)
+    magnitude = ops.STATE_FIELDS.index("magnitude")
+    for check_only, stats in ((False, False), (True, True), (False, True)):
+        table = _stats_table(grads) if stats else None
+        args = [
+            grads,
+            torch.zeros(1),
+            fresh_state(2.0**4),
+            torch.zeros(ops.STATE_SIZE, dtype=torch.int32),
+        ]
+        args += [table, 2.0, 0.5, 3, -INF, INF, 1, check_only, False, 8.0, islands, inv]
+        out = run_three(host, "scaler_pass_", args)
+        got = out[3][magnitude : magnitude + 1].view(F32).item()
+        # (with statistics: from the items' unscaled abs-max, times the scale)
+        assert got == _f32(outside) if not stats else 0 < got <= 1000.0, (check_only, got)
+
+
+def test_islands_are_checked_before_anything_is_written(host) -> None:  # noqa: ANN001
+    """A bad islands/island_inv argument is refused, naming it, by the CPU and host-executed
+    CUDA kernels alike, before any gradient is written."""
+    grads = [torch.full((5,), 8.0), torch.full((3,), 8.0)]
+    inv = torch.tensor([0.5], dtype=F32)
+    bad = [
+        ((1,), inv, RuntimeError, "one island per gradient"),
+        ((0, 2), inv, RuntimeError, "islands\\[1\\] is 2"),
+        ((0, -1), inv, RuntimeError, "islands\\[1\\] is -1"),
+        ((0, 1), None, TypeError, "island_inv is None"),
+        ((0, 1), inv.double(), RuntimeError, "island_inv must be a contiguous 1-D float32"),
+        ((0, 1), torch.ones(2, 2, dtype=F32), RuntimeError, "1-D float32"),
+    ]
+    for impl in (host.scaler_pass_, torch.ops.ampfused.scaler_pass_):
+        for islands, island_inv, error, match in bad:
+            g = [t.clone() for t in grads]
+            nxt = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+            with pytest.raises(error, match=match):
+                impl(g, torch.zeros(1), state(), nxt, None, 2.0, 0.5, 3, -INF, INF, 1, False,
+                     False, 0.0, islands, island_inv)  # fmt: skip
+            assert all(torch.equal(a, b) for a, b in zip(g, grads, strict=True))
+            assert not nxt.any()
+
+
 def _f32(x: float) -> float:
     """x rounded to float32, as a Python float."""
     return torch.tensor(x, dtype=F64).to(F32).item()

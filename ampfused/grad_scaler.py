@@ -790,6 +790,8 @@ class GradScaler(torch.amp.GradScaler):
             if islands is not None:
                 islands.after_update(self)
             return
+        if islands is not None:
+            islands.hold_global(state)
         floor_hit = state.commit(scale, tracker)
         if islands is not None:
             islands.after_update(self)

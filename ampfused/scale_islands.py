@@ -40,17 +40,35 @@ from typing import Any
 
 import torch
 
-from ampfused import ops
-from ampfused._scale_state import MAGNITUDE, STATE_SIZE
+from ampfused import _C, ops
+from ampfused._scale_state import (
+    CEILING,
+    FRESH_HEADROOM_STATE,
+    HYSTERESIS_LEFT,
+    ITERATION_COUNTERS,
+    MAGNITUDE,
+    READ_ONLY_PASS,
+    STATE_SIZE,
+    _bits,
+)
+from ampfused.activations import _Scratch
 
-__all__ = ["Islands", "check_islands_argument", "choose", "AUTO_GAP", "AUTO_SPREAD"]
+__all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
 
-# islands="auto": a module becomes an island where its largest traced activation gradient sits
-# at least AUTO_GAP binades below the whole model's and the traced gradients inside it span at
-# most AUTO_SPREAD binades (one factor serves them all); else its children are looked at.
+# islands="auto": a traced leaf module with parameters becomes an island where its largest
+# output gradient sits at least AUTO_GAP binades below the whole model's largest.
 AUTO_GAP = 4
-AUTO_SPREAD = 6
 _F32_MAX = torch.finfo(torch.float32).max
+_HALF_MAX = 65504.0
+# An island's headroom is the global one's times this (4 x 16 = 64 by default, at most
+# 65,504): a model holds many islands, each at its own edge, and an island's gradients sit 20
+# binades and more above float16's subnormals, so four binades more below the overflow edge cost
+# them nothing and make an overflow rarer (the islands question's llama-tiny, its first 100
+# steps, islands="auto": 3 island overflows at an island headroom of 4, 1 at 16, none at 64).
+ISLAND_MARGIN = 16.0
+ENTRY, EXIT = 0, 1  # an island's edges: its outputs' gradients, its inputs' gradients
+_EDGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FIELDS = len(ops.STAT_FIELDS)
 _FACTOR_EXPONENT = 100  # factors are kept within 2^-100 .. 2^100
 
 
@@ -152,6 +170,12 @@ class Islands:
         self.next: torch.Tensor | None = None
         self.loaded: list | None = None  # a checkpoint's rows, for the lazy init
         self.committable = False  # whether `next` holds this iteration's update
+        self.hold: torch.Tensor | None = None  # whether the global update is held (prepare_next)
+        self.dev = device
+        # This iteration's edge statistics: (island, ENTRY or EXIT, dtype, table), in backward
+        # order.
+        self.edges: list[tuple[int, int, torch.dtype, torch.Tensor]] = []
+        self._scratch: _Scratch | None = None
         self._handles = []
         for k, n in enumerate(self.names):
             module = modules[n]
@@ -190,6 +214,7 @@ class Islands:
         factor = self.edge_inv[k]
 
         def scale(g: torch.Tensor) -> torch.Tensor:
+            self._record(k, EXIT, g)  # (at the island's scale: what its backward made)
             return g * factor
 
         def wrap(v: Any) -> Any:
@@ -217,6 +242,7 @@ class Islands:
         factor = self.edge[k]
 
         def scale(g: torch.Tensor) -> torch.Tensor:
+            self._record(k, ENTRY, g)  # (before the factor: what arrives)
             return g * factor
 
         def hook(module: Any, args: tuple, output: Any) -> None:
@@ -227,6 +253,23 @@ class Islands:
                     t.register_hook(scale)
 
         return hook
+
+    def _record(self, k: int, edge: int, g: torch.Tensor) -> None:
+        """The statistics of a gradient crossing island k's edge before its factor (ENTRY:
+        at the enclosing scale, EXIT: at the island's), on its device and without a sync, into
+        :attr:`edges`."""
+        if not (g.dtype in _EDGE_DTYPES and g.layout == torch.strided and g.device == self.dev):
+            return
+        if self._scratch is None:
+            self._scratch = _Scratch(g.device)
+        table = torch.empty(
+            (ops.grad_stats_rows([g]), _FIELDS), dtype=torch.float64, device=g.device
+        )
+        sc = self._scratch
+        args = ([g], sc.found, sc.state, sc.next, table, *READ_ONLY_PASS, 0.0, (), None)
+        if _C.scaler_pass_(*args) is not None:  # (NotImplemented: a mode, a subclass)
+            torch.ops.ampfused.scaler_pass_.default(*args)
+        self.edges.append((k + 1, edge, g.dtype, table))
 
     # -- membership
     def island_of_module(self, name: str) -> int:
@@ -260,8 +303,15 @@ class Islands:
         if self.loaded is not None:
             self.state = torch.tensor(self.loaded, dtype=torch.int32, device=scale.device)
         else:
-            self.state = global_state.reshape(1, STATE_SIZE).repeat(len(self.names), 1)
-            self.state[:, MAGNITUDE] = 0
+            # The global scale and hysteresis left; no count, no measurement, no history (the
+            # global one's caps are not the island's: the first measured step moves it).
+            ceiling, since, *caps = FRESH_HEADROOM_STATE
+            row = [0] * CEILING + [_bits(ceiling), since, *map(_bits, caps)]
+            self.state = torch.tensor(
+                [row] * len(self.names), dtype=torch.int32, device=scale.device
+            )
+            self.state[:, 0] = global_state[0]
+            self.state[:, HYSTERESIS_LEFT] = global_state[HYSTERESIS_LEFT]
         self.next = torch.empty_like(self.state)
         self.refresh(scale)
 
@@ -307,13 +357,19 @@ class Islands:
         policy: tuple,
     ) -> None:
         """Each island's update into `next`, from this iteration's statistics tables (its
-        parameters' rows) and traced rows (its modules' backward float16 rows): the largest
-        magnitude at the island's scale, and whether any was inf/NaN."""
+        parameters' rows) and traced rows (its modules' backward rows): the largest float16
+        magnitude at the island's scale, and whether the overflow started in it.
+
+        Where an overflow started: in the island of the first traced backward row (in backward
+        order) that holds inf/NaN; with no such row, in every island (or outside all) whose
+        parameters' gradients hold it.  An island backs off only for an overflow that started
+        in it, and the global scale is held (not backed off; the step is still skipped) for
+        one that started in an island: ``self.hold``, which :meth:`hold_global` applies."""
         assert self.state is not None and self.next is not None
         dev = self.state.device
         count = len(self.names)
         top = torch.zeros(count + 1, dtype=torch.float64, device=dev)
-        bad = torch.zeros(count + 1, dtype=torch.float64, device=dev)
+        param_bad = torch.zeros(count + 1, dtype=torch.float64, device=dev)
         for table, positions, groups in tables:
             if table.device != dev:
                 continue
@@ -323,33 +379,69 @@ class Islands:
             ids = per_grad.repeat_interleave(rows_per_grad).to(dev)
             items = table[1:]
             top.scatter_reduce_(0, ids, items[:, 1], "amax")
-            bad.scatter_add_(0, ids, items[:, 2:5].sum(1))
+            param_bad.scatter_add_(0, ids, items[:, 2:5].sum(1))
         # (the parameters' abs-max is of unscaled values: at the island's scale)
         top[1:] *= self.scales().double()
-        act_top, act_bad = [], []
+        # Per island: its traced modules' backward rows and its edges (float16 rows measure:
+        # the headroom rule is float16's), and inf/NaN inside it (its modules, parameters and
+        # exit) or arriving at its entry.
+        ids, tops, bads, entry = [], [], [], []
         for name, _, direction, _, table, _, dtype, input_rows in rows:
-            if direction != "backward" or dtype != torch.float16 or table.device != dev:
-                continue
-            k = self.island_of_module(name)
-            if k:
+            k = self.island_of_module(name) if direction == "backward" else 0
+            if k and table.device == dev:
                 out = table[1 + input_rows :]
-                act_top.append((k, out[:, 1].max()))
-                act_bad.append((k, out[:, 2:5].sum()))
-        if act_top:
-            ids = torch.tensor([k for k, _ in act_top], device=dev)
-            top.scatter_reduce_(0, ids, torch.stack([v for _, v in act_top]), "amax")
-            bad.scatter_add_(0, ids, torch.stack([v for _, v in act_bad]))
-        found = (bad[1:] > 0).float()
+                ids.append(k)
+                tops.append(out[:, 1].max() if dtype == torch.float16 else out.new_zeros(()))
+                bads.append(out[:, 2:5].sum())
+                entry.append(False)
+        inside = param_bad[1:] > 0
+        for k, edge, dtype, table in self.edges:
+            out = table[1:]
+            ids.append(k)
+            top_k = out[:, 1].max() if dtype == torch.float16 else out.new_zeros(())
+            bad_k = out[:, 2:5].sum()
+            if edge == ENTRY:  # (at the island's scale once multiplied: it may overflow there)
+                top_k = top_k * self.edge[k - 1].double()
+                bad_k = bad_k + (top_k > _HALF_MAX).double() * 0.5  # (0.5: grown, not arrived)
+            tops.append(top_k)
+            bads.append(bad_k)
+            entry.append(edge == ENTRY)
+        arrived = torch.zeros(count, dtype=torch.bool, device=dev)
+        if ids:
+            at = torch.tensor(ids, device=dev)
+            top.scatter_reduce_(0, at, torch.stack(tops), "amax")
+            bad = torch.stack(bads)
+            is_entry = torch.tensor(entry, device=dev)
+            counts = torch.zeros(count + 1, dtype=torch.float64, device=dev)
+            inside |= counts.scatter_add(0, at, torch.where(is_entry, 0.0, bad))[1:] > 0
+            # (an entry overflowing by the island's factor: started inside, 0.5 per such row)
+            grown = torch.where(is_entry, bad - bad.floor(), 0.0)
+            inside |= counts.scatter_add(0, at, grown)[1:] > 0
+            arrived |= counts.scatter_add(0, at, torch.where(is_entry, bad.floor(), 0.0))[1:] > 0
+        # An overflow started in an island where it shows inside and did not arrive at its
+        # entry; there the island backs off and the global scale is held.
+        started = inside & ~arrived
+        found = started.float()
+        self.hold = started.any()
         magnitude = top[1:].clamp(max=_F32_MAX).float()
         self.next[:, MAGNITUDE] = magnitude.view(torch.int32)
         for k in range(count):
             ops.scaler_update_(found[k], self.state[k], self.next[k], *policy)
+
+    def hold_global(self, state: torch.Tensor, nxt: torch.Tensor) -> None:
+        """The global update in `nxt` undone where :attr:`hold` says (the iteration still
+        counts, as a skipped one): the scale and the rule's state stay as in `state`."""
+        held = state.clone()
+        held[ITERATION_COUNTERS] = nxt[ITERATION_COUNTERS]
+        held[MAGNITUDE] = nxt[MAGNITUDE]
+        nxt.copy_(torch.where(self.hold, held, nxt))
 
     def commit(self, scale: torch.Tensor) -> None:
         """`next` becomes each island's state; the factors follow the new global scale."""
         assert self.state is not None and self.next is not None
         self.state.copy_(self.next)
         self.refresh(scale)
+        self.edges = []
 
     def global_scale(self) -> float | None:
         """The global scale the state rows go with (their scale over their factor; a sync)."""
@@ -384,13 +476,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def choose(model: torch.nn.Module, rows: list) -> list[str]:
     """``islands="auto"``: from one iteration's traced backward float16 rows (scaled values),
-    the islands to make.  Walking down from the model's children, a module becomes an island
-    where (1) the largest traced activation gradient inside it sits at least AUTO_GAP binades
-    below the whole model's largest, (2) the traced gradients inside it (each module's
-    largest) span at most AUTO_SPREAD binades, and (3) it shares no parameter with a module
-    outside it, and holds parameters; else its children are looked at.  Returns [] where none
-    qualifies or the iteration held inf/NaN (a sync: one copy of the rows' figures)."""
-    tops: dict[str, float] = {}
+    the islands to make: every traced leaf module with parameters (a Linear, a convolution, a
+    norm) whose largest output gradient sits at least AUTO_GAP binades below the whole model's
+    largest, and whose parameters no other module holds.  A leaf's backward is measured whole
+    (its output gradient, traced; its parameters' gradients, in the pass; its input gradient,
+    at the island's exit); a block's is not (the functional ops between its modules, an
+    attention's scores among them, are not traced), so blocks are islands only by name.
+    Returns [] where none qualifies or the iteration held inf/NaN (a sync: one copy of the
+    rows' figures)."""
     values = [
         (name, table[1 + input_rows :, 1:5])
         for name, _, direction, _, table, _, dtype, input_rows in rows
@@ -402,8 +495,8 @@ def choose(model: torch.nn.Module, rows: list) -> list[str]:
     both = torch.stack([torch.stack((v[:, 0].max(), v[:, 1:].sum())).cpu() for _, v in values])
     if bool((both[:, 1] > 0).any()):
         return []  # (an overflowing iteration: the next clean one decides)
-    got = both[:, 0].tolist()
-    for (name, _), v in zip(values, got, strict=True):
+    tops: dict[str, float] = {}
+    for (name, _), v in zip(values, both[:, 0].tolist(), strict=True):
         tops[name] = max(tops.get(name, 0.0), v)
     overall = max(tops.values())
     if not overall > 0:
@@ -412,28 +505,19 @@ def choose(model: torch.nn.Module, rows: list) -> list[str]:
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(name)
-
-    def qualifies(name: str, module: torch.nn.Module) -> bool:
-        inside = [v for n, v in tops.items() if _inside(n, name) and v > 0]
-        if not inside:
-            return False
-        high, low = max(inside), min(inside)
-        if math.log2(overall / high) < AUTO_GAP or math.log2(high / low) > AUTO_SPREAD:
-            return False
+    modules = dict(model.named_modules())
+    chosen = []
+    for name, top in tops.items():
+        module = modules.get(name)
+        if module is None or next(module.children(), None) is not None or not top > 0:
+            continue
         params = list(module.parameters())
-        return bool(params) and all(all(_inside(o, name) for o in owners[id(p)]) for p in params)
-
-    chosen: list[str] = []
-
-    def walk(prefix: str, module: torch.nn.Module) -> None:
-        for child_name, child in module.named_children():
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            if qualifies(name, child):
-                chosen.append(name)
-            else:
-                walk(name, child)
-
-    walk("", model)
+        if (
+            params
+            and math.log2(overall / top) >= AUTO_GAP
+            and all(owners[id(p)] == {name} for p in params)
+        ):
+            chosen.append(name)
     return chosen
 
 
@@ -509,8 +593,17 @@ class ScalerIslands:
                     self._install(names, "GradScaler(islands='auto')")
             return
         if self.islands.state is not None and watch.now:
+            *rule, headroom = policy
+            policy = (*rule, min(headroom * ISLAND_MARGIN, _HALF_MAX))
             self.islands.prepare_next(scaler._scale, watch.now, watch.tracer.now, policy)
             self.islands.committable = True
+
+    def hold_global(self, scale_state: Any) -> None:
+        """update(), between the global update's computation and its commit: held where this
+        iteration's overflow started in an island."""
+        islands = self.islands
+        if islands is not None and islands.committable and islands.hold is not None:
+            islands.hold_global(scale_state.tensor, scale_state.next)
 
     def after_update(self, scaler: Any) -> None:
         """update(), after: the islands' updates committed and their factors moved with the
@@ -523,6 +616,7 @@ class ScalerIslands:
             islands.committable = False
         else:
             islands.refresh(scaler._scale)
+            islands.edges = []
 
     def checkpoint(self) -> dict | None:
         if self.islands is not None:

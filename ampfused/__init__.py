@@ -13,6 +13,7 @@ Which file holds what, from the top down (a module imports only modules below it
     grad_scaler          GradScaler: the protocol (unscale_, step, update, the stages)
     _no_kernels          GradScaler and friends where no kernels could be had
     _clip, diagnostics   fused unscale + clip; watch() and the statistics it reads
+    scale_islands        GradScaler(islands=...): modules whose backward runs at its own scale
     activations          activation tracing (watch(activations=...)): where an overflow starts
     report               StepReport and its rows and advice (pure host code over the rows)
     _grad_pass           the pass: which route gradients take, the agreement across ranks

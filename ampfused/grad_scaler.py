@@ -857,7 +857,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         watch = Watch(parameters, log_skipped, activations)
         if self._island_set is not None:
-            self._island_set.attach("watch", parameters, activations)
+            self._island_set.attach("watch", parameters, activations, self._found_inf_plan)
         if self._watch is not None:  # (the statistics recorded so far stay readable)
             watch.now, watch.last = self._watch.now, self._watch.last
             self._watch.remove()  # (its tracing hooks)
@@ -891,6 +891,14 @@ class GradScaler(torch.amp.GradScaler):
                 (``report().step`` says which iteration a report is).
         """
         return self._watching("report").report()
+
+    @not_traced_eager
+    def island_factors(self) -> dict[str, float]:
+        """Each scale island's factor f (its backward runs at the global scale times f), by
+        module name: ``{}`` without islands, or before ``islands="auto"`` has chosen them.  A
+        sync (one device-to-host copy)."""
+        islands = self._island_set.islands if self._island_set is not None else None
+        return {} if islands is None else islands.factors()
 
     @not_traced_eager
     def grad_norms(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ampfused import _C, ops
+from ampfused import _C, _dist, ops
 from ampfused._scale_state import (
     CEILING,
     FRESH_HEADROOM_STATE,
@@ -355,16 +355,22 @@ class Islands:
         tables: list,
         rows: list,
         policy: tuple,
+        plan: list,
     ) -> None:
         """Each island's update into `next`, from this iteration's statistics tables (its
-        parameters' rows) and traced rows (its modules' backward rows): the largest float16
-        magnitude at the island's scale, and whether the overflow started in it.
+        parameters' rows), traced rows (its modules' backward rows) and edges: the largest
+        float16 magnitude at the island's scale, and whether an overflow started in it.
 
-        Where an overflow started: in the island of the first traced backward row (in backward
-        order) that holds inf/NaN; with no such row, in every island (or outside all) whose
-        parameters' gradients hold it.  An island backs off only for an overflow that started
-        in it, and the global scale is held (not backed off; the step is still skipped) for
-        one that started in an island: ``self.hold``, which :meth:`hold_global` applies."""
+        An overflow started in an island where inf/NaN shows inside it (its traced modules'
+        backward rows, its parameters' gradients, its inputs' gradients before the factor, its
+        outputs' gradients once multiplied by it) and had not arrived at its entry.  An island
+        backs off only for an overflow that started in it, and the global scale is held (not
+        backed off; the step is still skipped) where one started in an island:
+        ``self.hold``, which :meth:`hold_global` applies.
+
+        `plan`: the found_inf reductions (group, op) of a distributed run: the islands'
+        magnitudes and verdicts are agreed over them (MAX) before the rule reads them, so every
+        rank holds the same factors and DDP sums gradients at equal scales."""
         assert self.state is not None and self.next is not None
         dev = self.state.device
         count = len(self.names)
@@ -420,6 +426,10 @@ class Islands:
             arrived |= counts.scatter_add(0, at, torch.where(is_entry, bad.floor(), 0.0))[1:] > 0
         # An overflow started in an island where it shows inside and did not arrive at its
         # entry; there the island backs off and the global scale is held.
+        if plan:
+            agreed = torch.stack((top[1:], inside.double(), arrived.double()))
+            _dist.all_reduce_flags([agreed], [(group, _dist.max_op()) for group, _ in plan])
+            top[1:], inside, arrived = agreed[0], agreed[1] > 0, agreed[2] > 0
         started = inside & ~arrived
         found = started.float()
         self.hold = started.any()
@@ -537,8 +547,19 @@ class ScalerIslands:
         self.islands: Islands | None = None
         self.loaded: dict | None = None
 
-    def attach(self, where: str, parameters: Any, activations: Any) -> None:
-        """watch(model, activations=...): the model the islands live in."""
+    def attach(self, where: str, parameters: Any, activations: Any, plan: list) -> None:
+        """watch(model, activations=...): the model the islands live in.  Several ranks need
+        found_inf_group (`plan`): the islands' measurements are agreed over it."""
+        dist = _dist._dist()
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if not plan and ranks > 1:
+            raise RuntimeError(
+                f"{where}: islands={self.argument!r} on {ranks} ranks: each rank traces its own "
+                "batch, so the islands' factors would drift apart and DDP would sum gradients "
+                "at different scales; make the scaler with "
+                "found_inf_group=torch.distributed.group.WORLD (the islands' measurements are "
+                "agreed in one all-reduce per step)"
+            )
         if not isinstance(parameters, torch.nn.Module) or activations is False:
             raise ValueError(
                 f"{where}: a scaler with islands={self.argument!r} measures each island from "
@@ -595,7 +616,9 @@ class ScalerIslands:
         if self.islands.state is not None and watch.now:
             *rule, headroom = policy
             policy = (*rule, min(headroom * ISLAND_MARGIN, _HALF_MAX))
-            self.islands.prepare_next(scaler._scale, watch.now, watch.tracer.now, policy)
+            self.islands.prepare_next(
+                scaler._scale, watch.now, watch.tracer.now, policy, scaler._found_inf_plan
+            )
             self.islands.committable = True
 
     def hold_global(self, scale_state: Any) -> None:

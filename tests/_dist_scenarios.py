@@ -353,6 +353,35 @@ def watched(rank: int, world: int, device: str):
     return {"reports": out, "counters": sc.counters(), "state": scaler_state(sc)}
 
 
+def ddp_islands(rank: int, world: int, device: str, group: bool = True):
+    """Scale islands under DDP: each rank traces its own batch, so the islands' measurements
+    differ per rank; with found_inf_group they are agreed and every rank holds the same factors
+    (DDP's all-reduce then sums gradients at equal scales): the parameters stay equal.  Without
+    it, watch() refuses (returns the error's text)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model(device)
+    wrapped = DistributedDataParallel(model)
+    optimizer = make_opt("sgd", model.parameters())
+    dt = torch.device(device).type
+    group_arg = dict(found_inf_group=dist.group.WORLD) if group else {}
+    sc = ampfused.GradScaler(dt, policy="headroom", islands=["0"], **group_arg)
+    try:
+        sc.watch(model, activations=True)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    factors = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        # (rank 1's batch 2^6 larger: its measurements differ from rank 0's)
+        x = batch(step, rank, device) * (64.0 if rank else 1.0)
+        sc.scale(loss_of(wrapped, x)).backward()
+        sc.step(optimizer)
+        sc.update()
+        factors.append(sc.island_factors())
+    return {"factors": factors, "params": [snap(p) for p in model.parameters()]}
+
+
 def master_weights(rank: int, world: int, device: str):
     """float16 parameters with float32 masters (MasterWeights) under DDP, found_inf agreed:
     inf in rank 1's float16 model gradient after the all-reduce."""

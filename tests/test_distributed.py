@@ -279,6 +279,17 @@ def test_watch_reports_the_agreed_verdict(pool: RankPool) -> None:
     assert out[1]["reports"][scn.INF_STEP]["text"].startswith("ampfused step 2 (rank 1): ")
 
 
+def test_ddp_scale_islands_agree(pool: RankPool) -> None:
+    """Scale islands under DDP with found_inf_group: the same factors on every rank (moved away
+    from 1), the same parameters; without found_inf_group, watch() refuses."""
+    out = pool.run("ddp_islands")
+    assert out[0]["factors"] == out[1]["factors"]
+    assert any(f["0"] != 1.0 for f in out[0]["factors"]), out[0]["factors"]
+    assert out[0]["params"] == out[1]["params"]
+    refused = pool.run("ddp_islands", group=False)
+    assert all("found_inf_group" in r["error"] for r in refused)
+
+
 def test_master_weights_agree(pool: RankPool) -> None:
     out = pool.run("master_weights")
     assert_ranks_agree(out)

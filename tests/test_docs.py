@@ -190,6 +190,17 @@ def check_headroom(ns: dict[str, Any], out: str) -> None:
     assert float(scale) > 1.0 and 0 < float(magnitude) <= HALF_MAX / 4 and skipped == "0", out
 
 
+def check_islands(ns: dict[str, Any], out: str) -> None:
+    """The island got a power-of-two factor of its own (moved off 1), no step was skipped, and
+    the gradients the optimizer stepped with were unscaled by it (finite, not scaled up)."""
+    scaler, model = ns["scaler"], ns["model"]
+    factor = scaler.island_factors()["0"]
+    assert factor != 1.0 and math.log2(factor) == round(math.log2(factor)), out
+    assert scaler.counters()["skipped_steps"] == 0, out
+    assert str(factor) in out, out
+    assert all(p.grad.abs().max() < 100 for p in model.parameters()), out
+
+
 def check_underflow(ns: dict[str, Any], out: str) -> None:
     """The report's underflow lines and the rows the example prints agree, worst first, and the
     too-low scale leaves most of the first layer's output gradients subnormal."""
@@ -227,6 +238,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "gpt2-island": check_gpt2_island,
     "gpt2-attention": check_gpt2_attention,
     "headroom": check_headroom,
+    "islands": check_islands,
     "lightning-norms": check_lightning_norms,
     "ops": check_ops,
     "swap-cpu": check_swap_cpu,

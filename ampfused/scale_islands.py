@@ -34,6 +34,7 @@ backward.  A float32 island's gradients need no scale island.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from ampfused import _C, _dist, ops
+from ampfused._compile import eager, not_traced
 from ampfused._scale_state import (
     CEILING,
     FRESH_HEADROOM_STATE,
@@ -51,7 +53,7 @@ from ampfused._scale_state import (
     STATE_SIZE,
     _bits,
 )
-from ampfused.activations import _Scratch
+from ampfused.activations import _in_compiled_code, _Scratch
 
 __all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
 
@@ -207,15 +209,12 @@ class Islands:
     def __len__(self) -> int:
         return len(self.names)
 
-    # -- the edges
+    # -- the edges (torch.compile traces the module hooks; the gradient hooks it calls instead
+    # of tracing, and they run eagerly: they read the gradient's statistics)
     def _entering(self, k: int) -> Any:
         """The pre-hook: each input that needs a gradient goes in as a view whose gradient
         (what leaves the island in backward) is multiplied by the island's 1 / f."""
-        factor = self.edge_inv[k]
-
-        def scale(g: torch.Tensor) -> torch.Tensor:
-            self._record(k, EXIT, g)  # (at the island's scale: what its backward made)
-            return g * factor
+        scale = functools.partial(self._exit_grad, k)
 
         def wrap(v: Any) -> Any:
             if isinstance(v, torch.Tensor):
@@ -239,20 +238,31 @@ class Islands:
     def _leaving(self, k: int) -> Any:
         """The forward hook: the gradient of each output (what enters the island in backward)
         is multiplied by the island's f."""
-        factor = self.edge[k]
-
-        def scale(g: torch.Tensor) -> torch.Tensor:
-            self._record(k, ENTRY, g)  # (before the factor: what arrives)
-            return g * factor
+        scale = functools.partial(self._entry_grad, k)
 
         def hook(module: Any, args: tuple, output: Any) -> None:
             if not torch.is_grad_enabled():
-                return
+                return None
             for t in _tensors(output):
                 if t.requires_grad and t.is_floating_point():
                     t.register_hook(scale)
+            return None
 
         return hook
+
+    @not_traced
+    def _exit_grad(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        if _in_compiled_code():
+            return eager(Islands._exit_grad)(self, k, g)
+        self._record(k, EXIT, g)  # (at the island's scale: what its backward made)
+        return g * self.edge_inv[k]
+
+    @not_traced
+    def _entry_grad(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        if _in_compiled_code():
+            return eager(Islands._entry_grad)(self, k, g)
+        self._record(k, ENTRY, g)  # (before the factor: what arrives)
+        return g * self.edge[k]
 
     def _record(self, k: int, edge: int, g: torch.Tensor) -> None:
         """The statistics of a gradient crossing island k's edge before its factor (ENTRY:
@@ -566,29 +576,45 @@ class ScalerIslands:
                 "its traced activation gradients: call watch(model, activations=True) with the "
                 "model itself"
             )
+        # The islands' rows go on: a watch() again keeps the factors, and "auto" resumes a
+        # checkpoint's islands (else it would run its first iteration without them).
+        rows = self._rows() if self.islands is not None else None
+        rows = rows if rows is not None else self.loaded
+        names = self.argument if self.argument != "auto" else rows and rows[0]["names"]
+        # (made, and so checked, before anything changes: a refused watch() changes nothing)
+        islands = Islands(parameters, names, where) if names else None
         if self.islands is not None:
             self.islands.remove()
-            self.islands = None
-        self.model = parameters
-        if self.argument != "auto":
-            self._install(self.argument, where)
+        self.model, self.islands, self.loaded = parameters, None, rows
+        if islands is not None:
+            self._adopt(islands)
 
     def detach(self) -> None:
         """unwatch(): the hooks removed; a later watch() installs the islands again."""
         if self.islands is not None:
             self.islands.remove()
-            entry = self.islands.checkpoint()
-            scale = self.islands.global_scale()
-            if entry["states"] is not None and scale is not None:
-                self.loaded = (entry, scale)
+            rows = self._rows()
+            if rows is not None:
+                self.loaded = rows
         self.islands = None
         self.model = None
 
+    def _rows(self) -> tuple[dict, float] | None:
+        """The installed islands' checkpoint entry and the global scale it goes with (None
+        before their first pass)."""
+        assert self.islands is not None
+        entry = self.islands.checkpoint()
+        scale = self.islands.global_scale()
+        return None if entry["states"] is None or scale is None else (entry, scale)
+
     def _install(self, names: Iterable[str], where: str) -> None:
         assert self.model is not None
-        self.islands = Islands(self.model, names, where)
-        if self.loaded is not None and self.loaded[0]["names"] == list(self.islands.names):
-            self.islands.load_rows(self.loaded[0]["states"], self.loaded[1])
+        self._adopt(Islands(self.model, names, where))
+
+    def _adopt(self, islands: Islands) -> None:
+        self.islands = islands
+        if self.loaded is not None and self.loaded[0]["names"] == list(islands.names):
+            islands.load_rows(self.loaded[0]["states"], self.loaded[1])
         self.loaded = None
 
     def active(self, where: str) -> Islands | None:
@@ -665,9 +691,13 @@ class ScalerIslands:
                 f"wrote (island names and a state row of {STATE_SIZE} ints each), got "
                 f"{type(entry).__name__}"
             )
-        self.loaded = (entry, scale)
         if self.islands is not None and entry["names"] == list(self.islands.names):
             self.islands.load_rows(entry["states"], scale)
             self.loaded = None
         elif self.islands is None and self.argument == "auto" and self.model is not None:
-            self._install(entry["names"], "load_state_dict")
+            # (made, and so checked, before anything changes)
+            islands = Islands(self.model, entry["names"], "load_state_dict")
+            self.loaded = (entry, scale)
+            self._adopt(islands)
+        else:
+            self.loaded = (entry, scale)

@@ -21,8 +21,8 @@ Both with planted spikes (one batch's loss times policy.SPIKE every ``spike_ever
 Policies (:data:`POLICIES`): torch's default (``torch.amp.GradScaler("cpu")``, no tracing: the
 untraced step), ampfused's global headroom policy with traced activations (``policy="headroom"``
 and ``scaler.watch(model, activations=True)``: the traced step), and the headroom policy with
-islands, declared as the constructor keyword ``islands="auto"``: "not available" until the
-scaler accepts it (then the one line of :data:`ISLANDS_KWARGS` is all there is to change).
+scale islands (``islands="auto"``, traced too: :mod:`ampfused.scale_islands`; the islands are
+chosen after the first step, which runs without them).
 A float32 run (no autocast, no scaler) is the loss's reference, and torch's default trains
 again on other batches (:attr:`policy.Form.noise_seeds`) for the run-to-run noise.
 
@@ -73,7 +73,7 @@ from benchmarks.suite import Context
 
 QUESTION = "islands"
 TORCH, GLOBAL, ISLANDS = policy.TORCH, "global headroom", "headroom with islands"
-# The islands policy's constructor keywords: unavailable until the scaler accepts them.
+# The islands policy's constructor keywords.
 ISLANDS_KWARGS = (("policy", "headroom"), ("islands", "auto"))
 POLICIES = (
     Policy(TORCH, "torch", about="torch's class and rule, no tracing: the untraced step"),

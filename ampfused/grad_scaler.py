@@ -447,6 +447,9 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         loaded = _scale_state.read_checkpoint(state_dict, self._scale, self._growth_tracker)
+        if self._island_set is not None:  # (checked before it changes anything; first, so a
+            # bad entry leaves the scale as it was)
+            self._island_set.load(state_dict.get(ISLANDS_KEY), float(loaded.scale))
         self._init_scale = loaded.scale
         if self._scale is not None:
             self._scale.fill_(loaded.scale)
@@ -455,8 +458,6 @@ class GradScaler(torch.amp.GradScaler):
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(loaded.growth_tracker)
         self._scale_state.load(loaded.policy, loaded.counters, loaded.headroom, loaded.history)
-        if self._island_set is not None:
-            self._island_set.load(state_dict.get(ISLANDS_KEY), float(loaded.scale))
 
     @not_traced_eager
     def state_dict(self) -> dict[str, Any]:
@@ -857,7 +858,11 @@ class GradScaler(torch.amp.GradScaler):
         """
         watch = Watch(parameters, log_skipped, activations)
         if self._island_set is not None:
-            self._island_set.attach("watch", parameters, activations, self._found_inf_plan)
+            try:
+                self._island_set.attach("watch", parameters, activations, self._found_inf_plan)
+            except BaseException:
+                watch.remove()  # (its tracing hooks: a refused watch() changes nothing)
+                raise
         if self._watch is not None:  # (the statistics recorded so far stay readable)
             watch.now, watch.last = self._watch.now, self._watch.last
             self._watch.remove()  # (its tracing hooks)

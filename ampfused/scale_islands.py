@@ -23,6 +23,10 @@ Powers of two make the scaling exact except where a value leaves float16's range
 leaving an island at 1 / f can still flush to zero where it is below float16's smallest
 subnormal at the global scale (it would have there without the island too; inside the island
 it no longer does).
+The one other difference from the same run without islands is rounding in the last bit where
+an island's input is read more than once inside it and also outside it: its gradient is summed
+in another grouping (the contributions from inside first, at the island's scale, then the
+outside ones), as reordering any sum may round differently; the factor changes nothing there.
 
 float32 islands (:mod:`ampfused.islands`, ``keep_float32``) are the other remedy: they change
 the dtype a part of the model runs in, which covers the forward pass as well and costs its

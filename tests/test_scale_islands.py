@@ -1,0 +1,963 @@
+"""Scale islands (``GradScaler(policy="headroom", islands=...)``, :mod:`ampfused.scale_islands`).
+
+Exactness: an island's backward runs at the global scale times a power of two, so in float32
+(where nothing leaves the range) the gradients after ``unscale_`` equal, bit for bit, those of
+``torch.amp.GradScaler`` at the same global scale, and before ``unscale_`` each island
+parameter's gradient is exactly the reference's times its island's factor (which shows that
+factor was in force).  The factors are forced (:func:`force`) to powers of two far from 1 and
+different for nested islands.  The shapes: a residual inside and around the island, an output
+with two consumers, inputs that need no gradient and keyword tensors, nesting, an island called
+twice, a Sequential island, accumulation over two backward passes, two optimizers sharing an
+island, and the fused clip.
+
+Where an island's input is read more than once inside it and also outside it, autograd sums
+its gradient in another grouping: equal to the same islands at factor 1, within rounding of
+torch's (:func:`test_regrouped_sums_differ_only_by_rounding`); the exactness models avoid it.
+
+Then: the refusals (exception type, message naming the fix, nothing changed: no hook left on
+the model), checkpoints (state_dict round trip bit for bit, watch() again, a malformed entry
+refused before anything changes, deepcopy and pickle), ``islands="auto"`` on a float16 model
+with a quiet block, an overflow in the loss and inside an island, and the global scale reading
+nothing inside the islands.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import ampfused
+from ampfused._scale_state import STATE_SIZE
+from ampfused.scale_islands import CHECKPOINT_KEY
+
+F16 = torch.float16
+
+
+# ------------------------------------------------------------------------------- helpers
+def scaler_with(islands: object, **kwargs: object) -> ampfused.GradScaler:
+    return ampfused.GradScaler("cpu", policy="headroom", islands=islands, **kwargs)
+
+
+def island_factor(name: str, factors: dict[str, float]) -> float:
+    """A parameter's factor: its innermost island's (1 outside every island); computed from the
+    names here, not from the implementation's tables."""
+    module = name.rsplit(".", 1)[0]
+    holding = [n for n in factors if module == n or module.startswith(n + ".")]
+    return factors[max(holding, key=len)] if holding else 1.0
+
+
+def force(scaler: ampfused.GradScaler, factors: dict[str, float]) -> None:
+    """Put each island's scale at the global scale times the given factor (a power of two);
+    the factors then in force are checked."""
+    islands = scaler._island_set.islands
+    assert islands is not None and islands.state is not None, "force after a first iteration"
+    wanted = torch.tensor([factors[n] for n in islands.names], dtype=torch.float32)
+    islands.scales().copy_(scaler._scale * wanted)
+    islands.refresh(scaler._scale)
+    assert islands.factors() == factors
+
+
+def warm_up(scaler: ampfused.GradScaler, model: nn.Module, loss_fn: Callable, opts: list) -> None:
+    """One iteration without a step: the scale and each island's state exist after it."""
+    scaler.scale(loss_fn(model)).backward()
+    for opt in opts:
+        scaler.unscale_(opt)
+    scaler.update()
+    model.zero_grad(set_to_none=True)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for n in want:
+        assert torch.equal(got[n], want[n]), f"{what}: {n} differs"
+
+
+class Exactness:
+    """A model with islands and its copy under torch's scaler at the same global scale."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        islands: list[str],
+        factors: dict[str, float],
+        loss_fn: Callable,
+        make_opts: Callable = lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)],
+    ) -> None:
+        self.model, self.ref = model, copy.deepcopy(model)
+        self.loss_fn, self.factors = loss_fn, factors
+        self.opts, self.ref_opts = make_opts(self.model), make_opts(self.ref)
+        self.scaler = scaler_with(islands, init_scale=2.0**10)
+        self.scaler.watch(self.model, activations=True)
+        warm_up(self.scaler, self.model, loss_fn, self.opts)
+        assert any(f != 1.0 for f in factors.values())
+        self.begin()
+
+    def begin(self) -> None:
+        """Before an iteration: the factors forced, torch's scaler (a new one: its optimizers
+        hold no scaler state) at the global scale."""
+        force(self.scaler, self.factors)
+        self.ref_scaler = torch.amp.GradScaler("cpu", init_scale=self.scaler.get_scale())
+
+    def backward(self, *args: object) -> None:
+        self.scaler.scale(self.loss_fn(self.model, *args)).backward()
+        self.ref_scaler.scale(self.loss_fn(self.ref, *args)).backward()
+
+    def check_scaled(self) -> None:
+        """Before unscale_: each island parameter's gradient is the reference's times its
+        factor (the factor was in force), every other one is the reference's."""
+        want = {n: g * island_factor(n, self.factors) for n, g in grads(self.ref).items()}
+        assert_same(grads(self.model), want, "scaled gradients")
+        moved = [n for n in want if island_factor(n, self.factors) != 1.0]
+        assert moved, "no parameter carried a factor"
+
+    def unscale(self) -> None:
+        for opt, ref_opt in zip(self.opts, self.ref_opts, strict=True):
+            self.scaler.unscale_(opt)
+            self.ref_scaler.unscale_(ref_opt)
+        assert_same(grads(self.model), grads(self.ref), "unscaled gradients")
+
+    def step(self) -> None:
+        """Step, update, and compare the parameters."""
+        for opt, ref_opt in zip(self.opts, self.ref_opts, strict=True):
+            self.scaler.step(opt)
+            self.ref_scaler.step(ref_opt)
+        self.scaler.update()
+        self.ref_scaler.update()
+        for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters(), strict=True):
+            assert torch.equal(p, q), f"parameter {n} after the step"
+
+
+def mse(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 6, generator=g)
+    y = torch.randn(16, 3, generator=g)
+    return ((model(x) - y) ** 2).mean()
+
+
+# ------------------------------------------------------------------------------- models
+class Residual(nn.Module):
+    """x + b(relu(a(x))): the residual addition inside the island."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Around(nn.Module):
+    """A residual around the island: h + block(h), block a Sequential reading h once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h + self.block(h))
+
+
+class Inside(nn.Module):
+    """A residual inside the island: block is x + b(relu(a(x))), its input read only there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = Residual()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.inp(x)))
+
+
+class Both(nn.Module):
+    """h + block(h) with block = Residual: h's gradient sums three contributions, two from
+    inside the island (summed first, at the island's scale) and one from outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = Residual()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h + self.block(h))
+
+
+class TwoConsumers(nn.Module):
+    """The island's output read by two heads and by the residual path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.Linear(8, 8)
+        self.head1 = nn.Linear(8, 3)
+        self.head2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.block(self.inp(x))
+        return self.head1(z) + torch.tanh(self.head2(z)) + z[:, :3]
+
+
+class Mixed(nn.Module):
+    """An island given a tensor that needs no gradient, an int, a tuple holding a tensor that
+    does, and a keyword tensor that does."""
+
+    def forward(
+        self, x: torch.Tensor, const: torch.Tensor, k: int, pair: tuple, *, gate: torch.Tensor
+    ) -> torch.Tensor:
+        return self.lin(x * const + pair[0]) * torch.sigmoid(gate) + k * pair[1]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+
+class WithMixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.side = nn.Linear(6, 8)
+        self.block = Mixed()
+        self.out = nn.Linear(8, 3)
+        self.register_buffer("const", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, s = self.inp(x), self.side(x)
+        pair = (s, torch.ones(8))  # (the second needs no gradient)
+        return self.out(self.block(h, self.const, 3, pair, gate=s * 0.5))
+
+
+class Block(nn.Module):
+    """own(relu(inner(h))) + h, inner reading h once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.own = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.own(torch.relu(self.inner(h))) + h
+
+
+class NestedNet(nn.Module):
+    """block (an island) holds inner (an island) and a Linear of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = Block()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.inp(x)))
+
+
+class Twice(nn.Module):
+    """The island module called twice in one forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = Residual()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(torch.tanh(self.block(self.inp(x)))))
+
+
+def sequential_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 8),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+        nn.Linear(8, 3),
+    )
+
+
+# ------------------------------------------------------------------------------- 1. exactness
+@pytest.mark.parametrize(
+    ("make", "islands", "factors"),
+    [
+        pytest.param(Inside, ["block"], {"block": 32.0}, id="residual-inside"),
+        pytest.param(Around, ["block"], {"block": 32.0}, id="residual-around"),
+        pytest.param(Inside, ["block"], {"block": 2.0**-3}, id="factor-below-1"),
+        pytest.param(TwoConsumers, ["block"], {"block": 64.0}, id="two-consumers"),
+        pytest.param(WithMixed, ["block"], {"block": 16.0}, id="no-grad-and-kwarg-inputs"),
+        pytest.param(
+            NestedNet,
+            ["block.inner", "block"],
+            {"block": 8.0, "block.inner": 256.0},
+            id="nested",
+        ),
+        pytest.param(
+            NestedNet,
+            ["block", "block.inner"],
+            {"block": 16.0, "block.inner": 0.25},
+            id="nested-inner-lower",
+        ),
+        pytest.param(Twice, ["block"], {"block": 128.0}, id="called-twice"),
+        pytest.param(sequential_net, ["1"], {"1": 32.0}, id="sequential"),
+    ],
+)
+def test_exact_gradients(make: Callable, islands: list[str], factors: dict) -> None:
+    torch.manual_seed(0)
+    run = Exactness(make(), islands, factors, mse)
+    for seed in (1, 2):  # (two iterations: the factors hold across an update)
+        run.begin()
+        run.backward(seed)
+        run.check_scaled()
+        run.unscale()
+        run.step()
+        run.model.zero_grad(set_to_none=True)
+        run.ref.zero_grad(set_to_none=True)
+
+
+def test_exact_accumulation_over_two_backward_passes() -> None:
+    torch.manual_seed(0)
+    factors = {"block": 64.0}
+    run = Exactness(Around(), ["block"], factors, mse)
+    run.backward(1)
+    run.backward(2)
+    run.check_scaled()
+    run.unscale()
+    run.step()
+
+
+def test_exact_two_optimizers_sharing_an_island() -> None:
+    torch.manual_seed(0)
+
+    def make_opts(m: nn.Module) -> list:
+        first = [m.inp.weight, m.block[0].weight, m.block[2].bias, m.out.bias]
+        rest = [p for p in m.parameters() if all(p is not q for q in first)]
+        return [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.05, momentum=0.9)]
+
+    factors = {"block": 2.0**7}
+    run = Exactness(Around(), ["block"], factors, mse, make_opts)
+    for seed in (1, 2):
+        run.begin()
+        run.backward(seed)
+        run.check_scaled()
+        run.unscale()
+        run.step()
+        for opt in (*run.opts, *run.ref_opts):
+            opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["clipping", "not-clipping"])
+def test_exact_clip_grad_norm(max_norm: float) -> None:
+    """scaler.clip_grad_norm_ with islands (unscale_ by each factor, then clip) against the
+    same scaler without islands at the same global scale: the same total norm, the same
+    gradients after clipping."""
+    torch.manual_seed(0)
+    model = Around()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = scaler_with(["block"], init_scale=2.0**10).watch(model, activations=True)
+    warm_up(scaler, model, mse, [opt])
+    force(scaler, {"block": 2.0**9})
+    ref_scaler = ampfused.GradScaler("cpu", init_scale=scaler.get_scale())
+    scaler.scale(mse(model, 1)).backward()
+    ref_scaler.scale(mse(ref, 1)).backward()
+    assert not torch.equal(model.block[0].weight.grad, ref.block[0].weight.grad)  # (f in force)
+    total = scaler.clip_grad_norm_(opt, max_norm)
+    ref_total = ref_scaler.clip_grad_norm_(ref_opt, max_norm)
+    assert torch.equal(total, ref_total), (total, ref_total)
+    assert_same(grads(model), grads(ref), "clipped gradients")
+    scaler.step(opt)
+    ref_scaler.step(ref_opt)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_regrouped_sums_differ_only_by_rounding() -> None:
+    """h + block(h) with block = x + b(relu(a(x))): h's gradient sums three contributions; the
+    island sums its two first (the view at its entry), then multiplies by 1/f, then adds the
+    outside one, where autograd without islands adds the three in another grouping.  The
+    factor changes nothing there (a run at factor 2**6 equals, bit for bit, a run with the same
+    islands at factor 1); the grouping may change the last bits against torch's scaler."""
+    torch.manual_seed(0)
+    model = Both()
+    runs = []
+    for f in (2.0**6, 1.0):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = scaler_with(["block"], init_scale=2.0**10).watch(m, activations=True)
+        warm_up(scaler, m, mse, [opt])
+        force(scaler, {"block": f})
+        scaler.scale(mse(m, 1)).backward()
+        scaled = grads(m)
+        scaler.unscale_(opt)
+        runs.append((scaler.get_scale(), scaled, grads(m)))
+    (scale, scaled, got), (scale_1, scaled_1, got_1) = runs
+    assert scale == scale_1
+    assert not torch.equal(scaled["block.a.weight"], scaled_1["block.a.weight"])  # (f in force)
+    assert_same(got, got_1, "unscaled gradients at factor 64 against factor 1")
+    ref = copy.deepcopy(model)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    ref_scaler.scale(mse(ref, 1)).backward()
+    ref_scaler.unscale_(torch.optim.SGD(ref.parameters(), lr=0.1))
+    for n, g in grads(ref).items():
+        torch.testing.assert_close(got[n], g)
+
+
+# ------------------------------------------------------------------------------- 2. refusals
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(islands=["1"]), ValueError, r"need policy='headroom'.*pass policy='headroom'"),
+        (
+            dict(islands=["1"], policy="headroom", scaling=False),
+            ValueError,
+            r"scaling=False.*leave islands out",
+        ),
+        (dict(islands="bogus", policy="headroom"), ValueError, r"islands=\['bogus'\]"),
+        (dict(islands=[3], policy="headroom"), TypeError, r"named_modules\(\); got 3 \(int\)"),
+        (dict(islands=["1", 3], policy="headroom"), TypeError, r"got 3 \(int\)"),
+        (dict(islands=5, policy="headroom"), TypeError, r"'auto' or module names, got int"),
+        (dict(islands=[], policy="headroom"), ValueError, r"islands=\[\].*leave islands out"),
+    ],
+    ids=[
+        "policy-torch",
+        "scaling-false",
+        "bogus",
+        "int",
+        "int-among-names",
+        "not-iterable",
+        "empty",
+    ],
+)
+def test_constructor_refusals(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ampfused.GradScaler("cpu", **kwargs)
+
+
+def hooks_of(model: nn.Module) -> list[tuple[str, int, int, int]]:
+    return [
+        (n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for n, m in model.named_modules()
+    ]
+
+
+class TiedOut(nn.Module):
+    """block.lin's weight is also head's: shared by the island and a module outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 8)
+        self.head.weight = self.block[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.inp(x)))[:, :3]
+
+
+@pytest.mark.parametrize(
+    ("islands", "make", "match"),
+    [
+        pytest.param(
+            ["nope"], Around, r"islands names 'nope', which the model does not have", id="unknown"
+        ),
+        pytest.param(
+            [""], Around, r"the island '' is the whole model.*name the modules inside it", id="root"
+        ),
+        pytest.param(["block", "block"], Around, r"names a module twice", id="twice"),
+        pytest.param(
+            ["block"],
+            TiedOut,
+            r"head\.weight is shared by the island 'block'.*tied weights",
+            id="tied",
+        ),
+        pytest.param(
+            ["block.0"], TiedOut, r"head\.weight is shared by the island 'block\.0'", id="tied-leaf"
+        ),
+    ],
+)
+def test_watch_refusals_change_nothing(islands: list, make: Callable, match: str) -> None:
+    torch.manual_seed(0)
+    model = make()
+    hooks = hooks_of(model)
+    scaler = scaler_with(islands)
+    with pytest.raises(ValueError, match=match):
+        scaler.watch(model, activations=True)
+    assert hooks_of(model) == hooks, "a refused watch() left hooks on the model"
+    assert scaler._watch is None
+    with pytest.raises(RuntimeError, match=r"no model is watched"):  # (not run without islands)
+        scaler.scale(mse(model)).backward()
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+MODEL_AND_ACTIVATIONS = r"call watch\(model, activations=True\) with the model itself"
+
+
+@pytest.mark.parametrize(
+    ("watch", "error", "match"),
+    [
+        pytest.param(lambda s, m: s.watch(m), ValueError, MODEL_AND_ACTIVATIONS, id="model"),
+        pytest.param(
+            lambda s, m: s.watch(m, activations=False),
+            ValueError,
+            MODEL_AND_ACTIVATIONS,
+            id="activations-false",
+        ),
+        pytest.param(
+            lambda s, m: s.watch(dict(m.named_parameters())),
+            ValueError,
+            MODEL_AND_ACTIVATIONS,
+            id="dict",
+        ),
+        pytest.param(
+            lambda s, m: s.watch(list(m.named_parameters())),
+            ValueError,
+            MODEL_AND_ACTIVATIONS,
+            id="pairs",
+        ),
+        pytest.param(  # (refused by watch() itself: tracing needs the module)
+            lambda s, m: s.watch(dict(m.named_parameters()), activations=True),
+            TypeError,
+            r"pass the torch\.nn\.Module itself",
+            id="dict-activations",
+        ),
+    ],
+)
+def test_watch_needs_the_model_and_activations(watch: Callable, error: type, match: str) -> None:
+    model = Around()
+    hooks = hooks_of(model)
+    scaler = scaler_with(["block"])
+    with pytest.raises(error, match=match):
+        watch(scaler, model)
+    assert hooks_of(model) == hooks
+    assert scaler._watch is None
+
+
+def snapshot(model: nn.Module) -> tuple[list, list]:
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+    )
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal, NaN payloads included (a float32 gradient compared as int32)."""
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def assert_untouched(model: nn.Module, before: tuple[list, list]) -> None:
+    params, grads_before = before
+    for p, q, g in zip(model.parameters(), params, grads_before, strict=True):
+        assert torch.equal(p, q), "a parameter changed"
+        assert same_bits(p.grad, g), "a gradient changed"
+
+
+def fused_adam(params: object) -> torch.optim.Optimizer:
+    try:
+        return torch.optim.Adam(params, lr=0.1, fused=True)
+    except (RuntimeError, ValueError) as e:  # (a torch without CPU fused Adam)
+        pytest.skip(f"torch.optim.Adam(fused=True) on the CPU: {e}")
+
+
+NO_WATCH = r"no model is watched; call scaler\.watch\(model, activations=True\)"
+FUSED = r"fused optimizer.*use the optimizer without fused=True, or leave islands out"
+MASTER = r"MasterWeights.*leave islands out with MasterWeights"
+
+
+def sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def master_weights(params: object) -> torch.optim.Optimizer:
+    return ampfused.MasterWeights(torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize(
+    ("make_opt", "watched", "call", "error", "match"),
+    [
+        pytest.param(sgd, False, "step", RuntimeError, NO_WATCH, id="no-watch-step"),
+        pytest.param(sgd, False, "unscale_", RuntimeError, NO_WATCH, id="no-watch-unscale_"),
+        pytest.param(
+            fused_adam, True, "step", NotImplementedError, FUSED, id="fused-step"
+        ),  # (unscale_ first: allowed)
+        pytest.param(
+            master_weights, True, "step", NotImplementedError, MASTER, id="master-weights-step"
+        ),
+        pytest.param(
+            master_weights,
+            True,
+            "unscale_",
+            NotImplementedError,
+            MASTER,
+            id="master-weights-unscale_",
+        ),
+    ],
+)
+def test_step_refusals_change_nothing(
+    make_opt: Callable, watched: bool, call: str, error: type, match: str
+) -> None:
+    torch.manual_seed(0)
+    model = Around()
+    opt = make_opt(model.parameters())
+    scaler = scaler_with(["block"])
+    if watched:
+        scaler.watch(model, activations=True)
+    scaler.scale(mse(model)).backward()
+    before = snapshot(model)
+    with pytest.raises(error, match=match):
+        getattr(scaler, call)(opt)
+    assert_untouched(model, before)
+    assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+
+
+def test_subclass_overriding_unscale_grads_is_refused() -> None:
+    class AllReducing(ampfused.GradScaler):
+        def _unscale_grads_(self, *args: object) -> object:
+            return super()._unscale_grads_(*args)
+
+    model = Around()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = AllReducing("cpu", policy="headroom", islands=["block"])
+    scaler.watch(model, activations=True)
+    scaler.scale(mse(model)).backward()
+    before = snapshot(model)
+    with pytest.raises(NotImplementedError, match=r"overrides _unscale_grads_.*GradScaler itself"):
+        scaler.step(opt)
+    assert_untouched(model, before)
+
+
+def test_fused_optimizer_after_unscale() -> None:
+    """unscale_ first, then a fused optimizer's step: the gradients are unscaled by each
+    island's factor, and the step takes them as they are (as torch's scaler does)."""
+    torch.manual_seed(0)
+    factors = {"block": 2.0**5}
+    run = Exactness(Around(), ["block"], factors, mse, lambda m: [fused_adam(m.parameters())])
+    run.backward(1)
+    run.check_scaled()
+    run.unscale()
+    run.step()
+
+
+# ------------------------------------------------------------------------------- float16 models
+QUIET = 2.0**-20  # how far below the rest the quiet block's gradients sit
+
+
+class Quiet(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class QuietNet(nn.Module):
+    """quiet's output joins the residual stream multiplied by QUIET, so under float16 autocast
+    the gradients inside it sit ~20 binades below the rest, many in float16's subnormals at the
+    global scale; tied's too, but tied shares its weight with twin (outside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.quiet = Quiet()
+        self.tied = nn.Linear(32, 32)
+        self.twin = nn.Linear(32, 32)
+        self.twin.weight = self.tied.weight
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + self.quiet(h) * QUIET
+        h = h + self.tied(h) * QUIET
+        return self.head(torch.tanh(self.twin(h)))
+
+
+def f16_loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 16, generator=g)
+    y = torch.randn(64, 8, generator=g)
+    with torch.autocast("cpu", dtype=F16):
+        out = model(x)
+    return ((out.float() - y) ** 2).mean()
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: ampfused.GradScaler,
+    steps: range,
+    loss_fn: Callable = f16_loss,
+) -> list[bool]:
+    """Iterations over the given seeds; returns whether each skipped its step."""
+    skipped = []
+    for seed in steps:
+        scaler.scale(loss_fn(model, seed)).backward()
+        scaler.unscale_(opt)
+        skipped.append(scaler.report().skipped)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return skipped
+
+
+def factors_of(scaler: ampfused.GradScaler) -> dict[str, float]:
+    return scaler.island_factors()
+
+
+# ------------------------------------------------------------------------------- 3. checkpoints
+def fresh(islands: object, seed: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = QuietNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, opt, scaler_with(islands)
+
+
+@pytest.mark.parametrize("islands", [["quiet"], "auto"], ids=["named", "auto"])
+@pytest.mark.parametrize("order", ["watch-then-load", "load-then-watch"])
+def test_state_dict_round_trip(islands: object, order: str) -> None:
+    model, opt, scaler = fresh(islands, seed=0)
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(4))
+    saved = factors_of(scaler)
+    assert saved and any(f != 1.0 for f in saved.values()), saved
+    checkpoint = copy.deepcopy(
+        {"scaler": scaler.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}
+    )
+    assert checkpoint["scaler"][CHECKPOINT_KEY]["names"] == list(saved)
+    train(model, opt, scaler, range(4, 7))
+
+    model2, opt2, scaler2 = fresh(islands)
+    model2.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["opt"])
+    if order == "watch-then-load":
+        scaler2.watch(model2, activations=True)
+        scaler2.load_state_dict(checkpoint["scaler"])
+    else:
+        scaler2.load_state_dict(checkpoint["scaler"])
+        scaler2.watch(model2, activations=True)
+    assert factors_of(scaler2) == saved  # (in force for the next forward pass)
+    train(model2, opt2, scaler2, range(4, 7))
+    assert scaler2.get_scale() == scaler.get_scale()
+    assert factors_of(scaler2) == factors_of(scaler)
+    for (n, p), q in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert scaler2.state_dict() == scaler.state_dict()
+
+
+@pytest.mark.parametrize("again", ["watch", "unwatch-watch"])
+def test_watching_again_keeps_the_factors(again: str) -> None:
+    """watch() again (or unwatch() then watch()) on the same model: the islands' states go on,
+    as in a run that did not call it (bit for bit)."""
+    model, opt, scaler = fresh(["quiet"], seed=0)
+    scaler.watch(model, activations=True)
+    model2, opt2, scaler2 = fresh(["quiet"], seed=0)
+    scaler2.watch(model2, activations=True)
+    train(model, opt, scaler, range(4))
+    train(model2, opt2, scaler2, range(4))
+    factors = factors_of(scaler)
+    assert any(f != 1.0 for f in factors.values())
+    if again == "unwatch-watch":
+        scaler2.unwatch()
+    scaler2.watch(model2, activations=True)
+    assert factors_of(scaler2) == factors
+    assert hooks_of(model2) == hooks_of(model)  # (the old hooks gone)
+    train(model, opt, scaler, range(4, 6))
+    train(model2, opt2, scaler2, range(4, 6))
+    assert factors_of(scaler2) == factors_of(scaler)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+ROW = [0] * STATE_SIZE
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        pytest.param("quiet", id="a-string"),
+        pytest.param({"names": ["quiet"]}, id="no-states"),
+        pytest.param({"names": "quiet", "states": [ROW]}, id="names-not-a-list"),
+        pytest.param({"names": ["quiet"], "states": [ROW[:3]]}, id="short-row"),
+        pytest.param({"names": ["quiet"], "states": [[0.5] * STATE_SIZE]}, id="floats"),
+        pytest.param({"names": ["quiet", "head"], "states": [ROW]}, id="rows-fewer-than-names"),
+    ],
+)
+def test_malformed_checkpoint_changes_nothing(entry: object) -> None:
+    model, opt, scaler = fresh(["quiet"], seed=0)
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(3))
+    good = scaler.state_dict()
+    bad = copy.deepcopy(good)
+    bad["scale"] = good["scale"] * 4  # (would be loaded first, were the entry not checked first)
+    bad[CHECKPOINT_KEY] = entry
+    factors = factors_of(scaler)
+    with pytest.raises(ValueError, match=r"state_dict\['ampfused_islands'\] must be"):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == good
+    assert factors_of(scaler) == factors
+
+
+@pytest.mark.parametrize(
+    "clone", [copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))], ids=["deepcopy", "pickle"]
+)
+def test_copy_and_pickle_keep_the_factors(clone: Callable) -> None:
+    """A copy holds the islands' argument and rows (no model, no hooks); watched on a model
+    loaded with the same weights it goes on as the original, bit for bit."""
+    model, opt, scaler = fresh(["quiet"], seed=0)
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(4))
+    factors = factors_of(scaler)
+    assert any(f != 1.0 for f in factors.values())
+    copied = clone(scaler)
+    assert copied._island_set is not scaler._island_set
+    model2, opt2, _ = fresh(["quiet"])
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # (else the buffers are shared)
+    copied.watch(model2, activations=True)
+    assert factors_of(copied) == factors
+    train(model, opt, scaler, range(4, 6))
+    train(model2, opt2, copied, range(4, 6))
+    assert copied.get_scale() == scaler.get_scale()
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------- 4. auto, overflow
+def quiet_rows(report: object) -> list:
+    return [
+        a
+        for a in report.activations
+        if a.direction == "backward" and (a.module == "quiet" or a.module.startswith("quiet."))
+    ]
+
+
+def subnormal_share(rows: list) -> float:
+    subnormal = sum(a.subnormal for a in rows)
+    nonzero = sum(a.numel - a.zeros - a.non_finite for a in rows)
+    return subnormal / nonzero
+
+
+def test_auto_chooses_inside_the_quiet_block_and_lifts_it() -> None:
+    """islands="auto" chooses quiet (or modules inside it: auto chooses traced leaves), never
+    tied (its weight is twin's too); the factors then rise above 1 without a skipped step, and
+    the subnormal share of quiet's traced gradients falls."""
+    torch.manual_seed(0)
+    model = QuietNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = scaler_with("auto").watch(model, activations=True)
+    train(model, opt, scaler, range(2))  # (the first iteration at scale 1 measures nothing)
+    before = subnormal_share(quiet_rows(scaler.report()))
+    assert before > 0.3, before  # (the model does what it is for)
+    chosen = factors_of(scaler)
+    assert chosen, "no island chosen"
+    assert all(n == "quiet" or n.startswith("quiet.") for n in chosen), chosen
+    skipped = train(model, opt, scaler, range(2, 8))
+    assert not any(skipped), skipped
+    factors = factors_of(scaler)
+    assert factors.keys() == chosen.keys()
+    assert all(f > 1.0 for f in factors.values()), factors
+    after = subnormal_share(quiet_rows(scaler.report()))
+    assert after < before / 4, (before, after)
+    zeros = [a.zeros / a.numel for a in quiet_rows(scaler.report())]
+    assert max(zeros) < 0.6  # (relu's zeros: none more from underflow)
+
+
+def plant_inf_in_loss(model: nn.Module, seed: int) -> torch.Tensor:
+    return f16_loss(model, seed) * float("inf")
+
+
+def plant_inf_inside(model: nn.Module, seed: int) -> torch.Tensor:
+    """An inf in the gradient of quiet.a's output (inside the island, not at its edge: quiet.b's
+    output is quiet's), in backward only."""
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+
+    handle = model.quiet.a.register_forward_hook(hook)
+    try:
+        return f16_loss(model, seed)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("plant", [plant_inf_in_loss, plant_inf_inside], ids=["loss", "inside"])
+def test_overflow_skips_and_backs_off(plant: Callable) -> None:
+    model, opt, scaler = fresh(["quiet"], seed=0)
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(4))
+    islands = scaler._island_set.islands
+    scale, island_scale = scaler.get_scale(), islands.scales().clone()
+    before = snapshot(model)
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    scaler.scale(plant(model, 4)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.report().skipped
+    for p, q in zip(model.parameters(), before[0], strict=True):
+        assert torch.equal(p, q)
+    for p, m in zip(model.parameters(), momentum, strict=True):
+        assert torch.equal(opt.state[p]["momentum_buffer"], m)
+    if plant is plant_inf_in_loss:  # (started outside: the global scale backs off, the
+        # island, which the inf/NaN only flowed into, does not)
+        assert scaler.get_scale() == scale / 2
+        assert bool((islands.scales() >= island_scale).all()), (island_scale, islands.scales())
+    else:  # (started inside: the island backs off, the global scale is held)
+        assert torch.equal(islands.scales(), island_scale / 2), (island_scale, islands.scales())
+        assert scaler.get_scale() == scale
+    opt.zero_grad(set_to_none=True)
+    assert not any(train(model, opt, scaler, range(5, 7)))  # (and goes on)
+
+
+# ------------------------------------------------------------------------------- 5. global scale
+class LoudNet(nn.Module):
+    """loud.a's weight divided by 2**8 and loud.b's multiplied by as much: the forward pass is
+    as before, but loud.a's output gradient and weight gradient sit 2**8 times above the
+    others (the largest gradients of the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.loud = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 8)
+        with torch.no_grad():
+            self.loud[0].weight.div_(2.0**12)
+            self.loud[0].bias.div_(2.0**12)
+            self.loud[1].weight.mul_(2.0**12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(torch.tanh(h + self.loud(h)))
+
+
+def test_global_scale_ignores_what_is_inside_islands() -> None:
+    """The largest gradients sit inside loud: without islands they set the global scale; with
+    loud an island they set only its factor (below 1), and the global scale sits higher."""
+    scales = {}
+    for islands in (None, ["loud"]):
+        torch.manual_seed(0)
+        model = LoudNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (the same gradients each time)
+        scaler = ampfused.GradScaler("cpu", policy="headroom", islands=islands)
+        scaler.watch(model, activations=True)
+        skipped = train(model, opt, scaler, range(6))
+        assert not any(skipped[1:]), skipped
+        scales[islands is not None] = scaler.get_scale()
+        if islands:
+            factor = factors_of(scaler)["loud"]
+            assert factor < 1.0, factor
+    assert scales[True] >= 2.0**8 * scales[False], scales

@@ -695,6 +695,16 @@ class ScalerIslands:
                 f"wrote (island names and a state row of {STATE_SIZE} ints each), got "
                 f"{type(entry).__name__}"
             )
+        names = entry["names"]
+        have = list(self.islands.names) if self.islands is not None else None
+        if have is None and self.argument != "auto":
+            have = list(self.argument)
+        if have is not None and sorted(names) != sorted(have):
+            raise ValueError(
+                f"load_state_dict: the checkpoint's scale islands are {names}, this scaler's "
+                f"are {have}; make the scaler with islands={names!r} to resume them (or leave "
+                f"state_dict[{CHECKPOINT_KEY!r}] out to start the islands afresh)"
+            )
         if self.islands is not None and entry["names"] == list(self.islands.names):
             self.islands.load_rows(entry["states"], scale)
             self.loaded = None

@@ -812,6 +812,24 @@ def test_malformed_checkpoint_changes_nothing(entry: object) -> None:
     assert factors_of(scaler) == factors
 
 
+@pytest.mark.parametrize("order", ["watched", "not-watched"])
+def test_checkpoint_of_other_islands_is_refused(order: str) -> None:
+    """A checkpoint whose islands are not the scaler's is refused (ValueError naming both),
+    before anything changes, where the scaler's islands are known: named ones, or chosen."""
+    model, opt, scaler = fresh(["quiet"], seed=0)
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(3))
+    other = copy.deepcopy(scaler.state_dict())
+    other[CHECKPOINT_KEY]["names"] = ["head"]
+    model2, opt2, scaler2 = fresh(["quiet"])
+    if order == "watched":
+        scaler2.watch(model2, activations=True)
+    before = scaler2.state_dict()
+    with pytest.raises(ValueError, match=r"checkpoint's scale islands are \['head'\]"):
+        scaler2.load_state_dict(other)
+    assert scaler2.state_dict() == before
+
+
 @pytest.mark.parametrize(
     "clone", [copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))], ids=["deepcopy", "pickle"]
 )

@@ -979,3 +979,45 @@ def test_global_scale_ignores_what_is_inside_islands() -> None:
             factor = factors_of(scaler)["loud"]
             assert factor < 1.0, factor
     assert scales[True] >= 2.0**8 * scales[False], scales
+
+
+# ------------------------------------------------------------------------------------ on a GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "statistics"])
+def test_island_pass_on_cuda_equals_the_cpu(stats: bool) -> None:
+    """ops.scaler_pass_ with islands on a GPU: the same bits as the CPU kernels (gradients,
+    found_inf, next_state, statistics), for mixed dtypes, misaligned views and an island's
+    largest element in a lane other than 0; an island_inv on the CPU is refused."""
+    from ampfused import ops
+
+    torch.manual_seed(0)
+    base = [
+        torch.randn(70_000) * 2.0**-20,
+        torch.randn(1003).half(),  # (taken from element 3 on: a misaligned view)
+        torch.randn(517, dtype=torch.float64),
+        torch.randn(4096).bfloat16(),
+    ]
+    base[1][40] = 30000.0
+    islands, inv = (0, 1, 0, 2), torch.tensor([2.0**-6, 2.0**9])
+    out = {}
+    for device in ("cpu", "cuda"):
+        grads = [g.to(device, copy=True) for g in base]
+        grads[1] = grads[1][3:]
+        state = torch.zeros(ops.STATE_SIZE, dtype=torch.int32)
+        state[0:1].view(torch.float32).fill_(2.0**10)
+        state = state.to(device)
+        nxt = torch.zeros_like(state)
+        found = torch.zeros((), device=device)
+        table = None
+        if stats:
+            rows = ops.grad_stats_rows(grads)
+            table = torch.zeros(rows, len(ops.STAT_FIELDS), dtype=torch.float64, device=device)
+        ops.scaler_pass_(grads, found, state, nxt, table, 2.0, 0.5, 3, headroom=4.0,
+                         islands=islands, island_inv=inv.to(device))  # fmt: skip
+        out[device] = [t.cpu() for t in (*grads, found, nxt, *([table] if stats else []))]
+        if device == "cuda":
+            with pytest.raises(RuntimeError, match="island_inv is on cpu"):
+                ops.scaler_pass_(grads, found, state, nxt, table, 2.0, 0.5, 3, headroom=4.0,
+                                 islands=islands, island_inv=inv)  # fmt: skip
+    for got, want in zip(out["cuda"], out["cpu"], strict=True):
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))

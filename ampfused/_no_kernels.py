@@ -40,6 +40,7 @@ _POLICY_DEFAULTS = {
     "found_inf_group": _dist.NO_GROUP,
     "policy": "torch",
     "headroom": 4.0,
+    "islands": None,
 }
 
 
@@ -107,6 +108,8 @@ class _Refusals:
         for name in ("min_scale", "max_scale", "hysteresis", "at_min_scale"):
             if name in policy and policy[name] != _POLICY_DEFAULTS[name]:
                 raise unavailable(f"load_state_dict() of a checkpoint with {name}={policy[name]!r}")
+        if "ampfused_islands" in state_dict:  # (scale islands: GradScaler(islands=...))
+            raise unavailable("load_state_dict() of a checkpoint with ampfused_islands (islands)")
         if policy.get("headroom"):  # (0.0: torch's rule)
             raise unavailable(
                 f"load_state_dict() of a checkpoint with headroom={policy['headroom']!r} (the "
@@ -119,6 +122,9 @@ class _Refusals:
 
     def magnitude(self) -> NoReturn:
         self._needs_kernels("magnitude")
+
+    def island_factors(self) -> NoReturn:
+        self._needs_kernels("island_factors")
 
     def watch(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._needs_kernels("watch")

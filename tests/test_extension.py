@@ -133,6 +133,11 @@ refusals = {
     "MasterWeights": lambda: ampfused.MasterWeights(torch.optim.SGD([torch.zeros(2)], lr=1)),
     "min_scale": lambda: ampfused.GradScaler("cpu", min_scale=1.0),
     "hysteresis": lambda: ampfused.GradScaler("cpu", hysteresis=2),
+    "islands": lambda: ampfused.GradScaler("cpu", policy="torch", islands="auto"),
+    "island_factors": scaler.island_factors,
+    "ampfused_islands": lambda: ampfused.GradScaler("cpu").load_state_dict(
+        dict(scaler.state_dict(), ampfused_islands={"names": [], "states": []})
+    ),
     "ampfused.ops": lambda: ampfused.ops,
     "ampfused.ops ": lambda: __import__("ampfused.grad_scaler"),  # the modules over the ops
 }

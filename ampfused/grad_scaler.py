@@ -509,6 +509,7 @@ class GradScaler(torch.amp.GradScaler):
             entry = self._island_set.checkpoint()
             if entry is not None:
                 islands.loaded = (entry, self.get_scale())
+                islands.iterations = self._island_set.iterations
             state["_island_set"] = islands
         return state
 

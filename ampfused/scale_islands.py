@@ -62,8 +62,11 @@ from ampfused.activations import _in_compiled_code, _Scratch
 __all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
 
 # islands="auto": a traced leaf module with parameters becomes an island where its largest
-# output gradient sits at least AUTO_GAP binades below the whole model's largest.
+# output gradient sits at least AUTO_GAP binades below the whole model's largest; chosen after
+# the first clean traced iteration, and looked at again after these many updates (a module
+# whose gradients fall below the rest's later in training joins; none leaves).
 AUTO_GAP = 4
+AUTO_REVIEW = (10, 100, 1000)
 _F32_MAX = torch.finfo(torch.float32).max
 _HALF_MAX = 65504.0
 # An island's headroom is the global one's times this (4 x 16 = 64 by default, at most
@@ -317,12 +320,8 @@ class Islands:
         if self.loaded is not None:
             self.state = torch.tensor(self.loaded, dtype=torch.int32, device=scale.device)
         else:
-            # The global scale and hysteresis left; no count, no measurement, no history (the
-            # global one's caps are not the island's: the first measured step moves it).
-            ceiling, since, *caps = FRESH_HEADROOM_STATE
-            row = [0] * CEILING + [_bits(ceiling), since, *map(_bits, caps)]
             self.state = torch.tensor(
-                [row] * len(self.names), dtype=torch.int32, device=scale.device
+                [fresh_row()] * len(self.names), dtype=torch.int32, device=scale.device
             )
             self.state[:, 0] = global_state[0]
             self.state[:, HYSTERESIS_LEFT] = global_state[HYSTERESIS_LEFT]
@@ -482,6 +481,16 @@ class Islands:
         return dict(zip(self.names, self.factor.tolist(), strict=True))
 
 
+def fresh_row(scale_bits: int = 0, hysteresis_left: int = 0) -> list[int]:
+    """A new island's state row: the global scale (its bits) and hysteresis left; no count, no
+    measurement, no history (the global scale's caps are not the island's: its first measured
+    step moves it)."""
+    ceiling, since, *caps = FRESH_HEADROOM_STATE
+    row = [0] * CEILING + [_bits(ceiling), since, *map(_bits, caps)]
+    row[0], row[HYSTERESIS_LEFT] = scale_bits, hysteresis_left
+    return row
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -553,13 +562,14 @@ class ScalerIslands:
     """What a GradScaler with ``islands=`` keeps: the argument, the model (from ``watch``),
     the installed :class:`Islands` (for "auto": once chosen), a checkpoint's rows."""
 
-    __slots__ = ("argument", "model", "islands", "loaded")
+    __slots__ = ("argument", "model", "islands", "loaded", "iterations")
 
     def __init__(self, argument: Any) -> None:
         self.argument = argument
         self.model: torch.nn.Module | None = None
         self.islands: Islands | None = None
         self.loaded: dict | None = None
+        self.iterations = 0  # updates with islands in force ("auto" looks again at AUTO_REVIEW)
 
     def attach(self, where: str, parameters: Any, activations: Any, plan: list) -> None:
         """watch(model, activations=...): the model the islands live in.  Several ranks need
@@ -670,10 +680,31 @@ class ScalerIslands:
         else:
             islands.refresh(scaler._scale)
             islands.edges = []
+        self.iterations += 1
+        watch = scaler._watch
+        if self.argument == "auto" and self.iterations in AUTO_REVIEW and watch is not None:
+            self._review(watch.tracer.last, scaler._scale)
+
+    def _review(self, rows: list, scale: torch.Tensor) -> None:
+        """ "auto" again: the modules that qualify now join the islands (none leaves), at factor
+        1 with fresh histories; the others go on as they were."""
+        islands = self.islands
+        assert islands is not None and islands.state is not None and self.model is not None
+        names = [n for n in choose(self.model, rows) if n not in islands.names]
+        if not names:
+            return
+        rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
+        grown = Islands(self.model, [*islands.names, *names], "GradScaler(islands='auto')")
+        global_bits = int(scale.reshape(1).view(torch.int32).item())
+        left = rows_of[islands.names[0]][HYSTERESIS_LEFT]
+        fresh = fresh_row(global_bits, left)
+        islands.remove()
+        grown.load_rows([rows_of.get(n, fresh) for n in grown.names], float(scale))
+        self.islands = grown
 
     def checkpoint(self) -> dict | None:
         if self.islands is not None:
-            return self.islands.checkpoint()
+            return {**self.islands.checkpoint(), "iterations": self.iterations}
         return None if self.loaded is None else self.loaded[0]
 
     def load(self, entry: Any, scale: float) -> None:
@@ -689,6 +720,7 @@ class ScalerIslands:
                 for r in entry["states"]
             )
             and len(entry["states"]) == len(entry["names"])
+            and type(entry.get("iterations", 0)) is int
         ):
             raise ValueError(
                 f"load_state_dict: state_dict[{CHECKPOINT_KEY!r}] must be what state_dict() "
@@ -696,9 +728,12 @@ class ScalerIslands:
                 f"{type(entry).__name__}"
             )
         names = entry["names"]
+        # ("auto": the checkpoint's choice wins, as a checkpoint's policy does)
         have = list(self.islands.names) if self.islands is not None else None
-        if have is None and self.argument != "auto":
-            have = list(self.argument)
+        if self.argument != "auto":
+            have = have if have is not None else list(self.argument)
+        else:
+            have = None
         if have is not None and sorted(names) != sorted(have):
             raise ValueError(
                 f"load_state_dict: the checkpoint's scale islands are {names}, this scaler's "
@@ -708,10 +743,13 @@ class ScalerIslands:
         if self.islands is not None and entry["names"] == list(self.islands.names):
             self.islands.load_rows(entry["states"], scale)
             self.loaded = None
-        elif self.islands is None and self.argument == "auto" and self.model is not None:
+        elif self.argument == "auto" and self.model is not None:
             # (made, and so checked, before anything changes)
             islands = Islands(self.model, entry["names"], "load_state_dict")
+            if self.islands is not None:
+                self.islands.remove()
             self.loaded = (entry, scale)
             self._adopt(islands)
         else:
             self.loaded = (entry, scale)
+        self.iterations = entry.get("iterations", 0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import pickle
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -853,6 +854,69 @@ def test_copy_and_pickle_keep_the_factors(clone: Callable) -> None:
     assert copied.get_scale() == scaler.get_scale()
     for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+class LaterQuiet(nn.Module):
+    """QuietNet's shape without tied weights, and a gain on `late`'s output that a test lowers
+    during training: `late` joins the quiet ones only then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.quiet = Quiet()
+        self.late = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + self.quiet(h) * QUIET
+        h = h + self.late(h) * self.gain
+        return self.head(torch.tanh(h))
+
+
+def test_auto_looks_again_and_resumes_across_the_review(tmp_path: Path) -> None:
+    """islands="auto" looks again after AUTO_REVIEW[0] updates: a module whose gradients fell
+    below the rest since the first choice joins (the first islands keep their factors), and a
+    run resumed from a checkpoint taken before the review equals the uninterrupted one bit for
+    bit after it."""
+    from ampfused.scale_islands import AUTO_REVIEW
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = LaterQuiet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        return model, opt, scaler_with("auto").watch(model, activations=True)
+
+    def run(model: nn.Module, opt: object, scaler: object, steps: range) -> None:
+        for seed in steps:
+            model.gain = 1.0 if seed < 3 else QUIET  # (late goes quiet after the first choice)
+            train(model, opt, scaler, range(seed, seed + 1))
+
+    model, opt, scaler = build()
+    run(model, opt, scaler, range(4))
+    first = set(scaler.island_factors())
+    assert first and not any(n.startswith("late") for n in first), first
+    checkpoint = copy.deepcopy(
+        {"scaler": scaler.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}
+    )
+    before = scaler.island_factors()
+    end = AUTO_REVIEW[0] + 4
+    run(model, opt, scaler, range(4, end))
+    after = scaler.island_factors()
+    assert "late" in after, after  # (joined at the review)
+    assert set(after) - {"late"} == first
+
+    model2, opt2, scaler2 = build()
+    model2.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["opt"])
+    scaler2.load_state_dict(checkpoint["scaler"])
+    assert scaler2.island_factors() == before
+    run(model2, opt2, scaler2, range(4, end))
+    assert scaler2.island_factors() == after
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert scaler2.state_dict() == scaler.state_dict()
 
 
 # ------------------------------------------------------------------------------- 4. auto, overflow

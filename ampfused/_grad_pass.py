@@ -177,9 +177,8 @@ def found_inf(
         island_of, island_inv = islands.of_groups(flat_params(groups)), islands.inv
     if state.headroom and not accumulate and watch is not None and watch.tracer is not None:
         # The traced activation gradients' magnitude, taken into the pass's as an earlier one's
-        # (an island's: not the global scale's)
-        outside = None if islands is None else islands.island_of_module
-        accumulate = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt), outside)
+        # (an island's at the global scale: divided by its factor)
+        accumulate = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt), islands)
     result = _C.fused_pass(
         groups,
         state.pass_input(scale, tracker),
@@ -271,16 +270,20 @@ def check_headroom_dtypes(scaler: Any, groups: Any) -> None:
         )
 
 
-def activation_magnitude(rows: list, into: torch.Tensor, island: Any = None) -> bool:
+def activation_magnitude(rows: list, into: torch.Tensor, islands: Any = None) -> bool:
     """The largest finite magnitude of this iteration's traced float16 activation gradients
     (the scaled values: what overflows in backward) written into `into` (float32, on the
-    scale's device; no sync).  Returns whether any was traced.  `island`: a module name's
-    scale island (nonzero: left out, it has its own scale), or None."""
-    columns = [
-        table[1 + input_rows :, 1].to(into.device)  # (abs_max; a backward row has no inputs)
-        for name, _, direction, _, table, _, dtype, input_rows in rows
-        if direction == "backward" and dtype == torch.float16 and not (island and island(name))
-    ]
+    scale's device; no sync).  Returns whether any was traced.  `islands`: the scale islands
+    (ampfused.scale_islands.Islands) or None; a row of a module inside one is taken at the
+    global scale (times the island's inverse factor)."""
+    of = islands.island_of_module if islands is not None else None
+    columns = []
+    for name, _, direction, _, table, _, dtype, input_rows in rows:
+        if direction != "backward" or dtype != torch.float16:
+            continue
+        column = table[1 + input_rows :, 1].to(into.device)  # (abs_max; no inputs in backward)
+        k = of(name) if of is not None else 0
+        columns.append(column * islands.inv[k - 1] if k else column)
     if not columns:
         return False
     into.copy_(torch.cat(columns).max())

@@ -218,7 +218,8 @@ def scaler_pass_(
             the gradients' device with island k's inverse factor 1 / f_k at k - 1.  A gradient
             of island k carries the scale times f_k (a power of two): it is multiplied by the
             pass's inverse scale times ``island_inv[k - 1]``, its statistics are of those truly
-            unscaled values, and it is left out of the measured magnitude.
+            unscaled values, and its measured magnitude is taken at the global scale (times
+            ``island_inv[k - 1]``).
         The rest: as in :func:`unscale_update_scale_`.
     """
     args = (

@@ -650,8 +650,9 @@ def scaler_pass_(
     is computed again from state.
 
     Scale islands: a gradient of island k >= 1 (``islands``) is unscaled, and its statistics
-    taken, with the pass's inverse scale times ``island_inv[k - 1]`` (a float32 product), and it
-    is not measured; inf/NaN in it is found as anywhere."""
+    taken, with the pass's inverse scale times ``island_inv[k - 1]`` (a float32 product), and its
+    magnitude measured at the global scale (times ``island_inv[k - 1]``); inf/NaN in it is found
+    as anywhere."""
     found = _any_non_finite(grads)
     of = list(islands) if islands else [0] * len(grads)
     scale = state[0:1].view(torch.float32)
@@ -663,10 +664,13 @@ def scaler_pass_(
         assert island_inv is not None
         return inv * island_inv[k - 1 : k].cpu()
 
-    outside = [g for g, k in zip(grads, of, strict=True) if k == 0]
     measured = 0.0
     if headroom > 0 and grad_stats is None:
-        measured = magnitude(outside)
+        # (an island's at the global scale: its magnitude times its inverse factor)
+        factors = [1.0 if k == 0 else float(island_inv[k - 1]) for k in of]  # type: ignore[index]
+        measured = max(
+            [_f32(magnitude([g]) * f) for g, f in zip(grads, factors, strict=True)], default=0.0
+        )
     if grad_stats is not None:
         grad_stats.zero_()
         grad_stats[0, 0] = float(scale.item())
@@ -675,10 +679,8 @@ def scaler_pass_(
         rows = [_stat_rows([g], inv_of(k), check_only) for g, k in zip(grads, of, strict=True)]
         if rows:
             grad_stats[1:] = torch.cat(rows).to(grad_stats.device)
-        if headroom > 0:
-            mine = [r for r, k in zip(rows, of, strict=True) if k == 0]
-            if mine:
-                measured = stat_magnitude(torch.cat(mine), float(scale.item()))
+        if headroom > 0 and rows:  # (unscaled values: at the global scale, islands' too)
+            measured = stat_magnitude(torch.cat(rows), float(scale.item()))
     if not check_only:
         for g, k in zip(grads, of, strict=True):
             _unscale_([g], float(inv_of(k).item()))

@@ -14,10 +14,12 @@ a module whose backward runs at the global scale times its own power-of-two fact
   each gradient by its own factor, in the same single pass (``ops.scaler_pass_``'s
   ``islands``/``island_inv``);
 * f follows the headroom rule from the island's own measurements, with its own history: the
-  largest traced activation gradient of the modules inside it and its parameters' largest
-  gradient, at the island's scale.  An overflow inside an island skips the step as any does
-  and backs the island off (and the global scale, as any overflow does).  The global scale
-  reads only what lies outside every island.
+  largest traced activation gradient of the modules inside it, its parameters' largest
+  gradient and the gradients crossing its edges, at the island's scale.  An overflow that
+  started inside an island skips the step as any does, backs the island off and holds the
+  global scale (Islands.prepare_next says how it is told apart).  The global scale
+  reads every gradient at the global scale (an island's divided by its factor), so it
+  moves as it would without islands: an island only moves its own part.
 
 Powers of two make the scaling exact except where a value leaves float16's range: a gradient
 leaving an island at 1 / f can still flush to zero where it is below float16's smallest

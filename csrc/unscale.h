@@ -56,8 +56,9 @@
 //     on the pass's device: a gradient of island k carries the scale times a power-of-two
 //     factor f_k, and island_inv[k - 1] = 1 / f_k.  Its elements are multiplied by the pass's
 //     multiplier times island_inv[k - 1] (PassParams::item_inv), its statistics are of those
-//     truly unscaled values, and it is left out of the measured magnitude; inf/NaN in it counts
-//     as anywhere.
+//     truly unscaled values, and its measured magnitude is taken at the global scale (divided
+//     by f_k: what the pass would measure without the island); inf/NaN in it counts as
+//     anywhere.
 //
 //   ampfused::scaler_update_(Tensor found_inf, Tensor state, Tensor(a!) next_state,
 //       float growth_factor, float backoff_factor, int growth_interval, float min_scale,

@@ -630,14 +630,20 @@ struct PassParams {
   // Scale islands (scaler_pass_'s islands/island_inv): an item of island k >= 1 carries the
   // global scale times the island's power-of-two factor, so its multiplier is the pass's times
   // island_inv[k - 1] (item_inv; exact: a product by a power of two), its statistics are of its
-  // truly unscaled values, and it is not in the measured magnitude (the island's factor has its
-  // own rule).  Null: no island in the pass.
+  // truly unscaled values, and its measured magnitude is taken at the global scale
+  // (global_magnitude: what it would be without the island).  Null: no island in the pass.
   const float* island_inv = nullptr;
 
   // What an item of `island` is multiplied by, given the pass's multiplier (inv_scale(), or
   // stats_inv_scale() for what the statistics see).
   AMPFUSED_INLINE float item_inv(float inv, int island) const {
     return island == 0 ? inv : inv * island_inv[island - 1];
+  }
+  // An item's measured magnitude (float32 bits) at the global scale: an island's divided by its
+  // factor (exact).  inf/NaN bits stay as they are (the pass found inf/NaN).
+  AMPFUSED_INLINE uint32_t global_magnitude(uint32_t bits, int island) const {
+    if (island == 0 || bits >= kFloatExpMask) return bits;
+    return float_bits(bits_float(bits) * island_inv[island - 1]);
   }
 
   // What each element is multiplied by; a check-only pass reads no scale (1 is never applied).

@@ -522,8 +522,7 @@ void launch_stats_cpu(const std::vector<Span>& spans, const PassParams& a) {
   uint32_t mag = 0;
   if (a.measures()) {
     const float scale = *a.scale;
-    for (int64_t k = 0; k < num_items; ++k) {
-      if (spans[items[k].span].island != 0) continue;  // (an island's: not the global scale's)
+    for (int64_t k = 0; k < num_items; ++k) {  // (unscaled, so at the global scale: islands too)
       const double abs_max = a.grad_stats[(1 + k) * kStatFields + kStatAbsMax];
       mag = max_bits(mag, stat_magnitude_bits(abs_max, scale));
     }
@@ -545,8 +544,13 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
     uint32_t mag = 0;
     for (const Span& sp : spans) {
       const float sp_inv = a.item_inv(inv, sp.island);
-      found |= measure && sp.island == 0 ? measure_span(sp, 0, sp.numel, sp_inv, a.check_only, &mag)
-                                         : process_span(sp, 0, sp.numel, sp_inv, a.check_only);
+      if (!measure) {
+        found |= process_span(sp, 0, sp.numel, sp_inv, a.check_only);
+        continue;
+      }
+      uint32_t m = 0;
+      found |= measure_span(sp, 0, sp.numel, sp_inv, a.check_only, &m);
+      mag = std::max(mag, a.global_magnitude(m, sp.island));
     }
     finish_pass(found, mag, a);
     return;
@@ -570,9 +574,13 @@ void launch_pass_cpu(const std::vector<Span>& spans, const PassParams& a, const 
       const Piece& pc = pieces[k];
       const Span& sp = spans[pc.span];
       const float sp_inv = a.item_inv(inv, sp.island);
-      any |= measure && sp.island == 0
-                 ? measure_span(sp, pc.begin, pc.end, sp_inv, a.check_only, &mag)
-                 : process_span(sp, pc.begin, pc.end, sp_inv, a.check_only);
+      if (!measure) {
+        any |= process_span(sp, pc.begin, pc.end, sp_inv, a.check_only);
+        continue;
+      }
+      uint32_t m = 0;
+      any |= measure_span(sp, pc.begin, pc.end, sp_inv, a.check_only, &m);
+      mag = std::max(mag, a.global_magnitude(m, sp.island));
     }
     uint32_t seen = top.load(std::memory_order_relaxed);
     while (mag > seen && !top.compare_exchange_weak(seen, mag)) {

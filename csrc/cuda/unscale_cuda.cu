@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
   const float pass_inv = kStats ? k.pass.stats_inv_scale() : k.pass.inv_scale();
   const float pass_measure_scale = kStats && k.pass.measures() ? *k.pass.scale : 0.0f;
   uint32_t mag = 0;
-  uint32_t island_mag = 0;  // what an island's item measures: not the global scale's (dropped)
+  uint32_t island_mag = 0;  // what an island's item measures, at its own scale
   bool bad = false;
   const int stride = static_cast<int>(gridDim.x);
   int c = static_cast<int>(blockIdx.x);
@@ -250,7 +250,9 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
     // Uniform across the block, as the item is.
     const float inv = k.pass.item_inv(pass_inv, w.island);
     const bool inv_is_one = inv == 1.0f;
-    const float measure_scale = w.island == 0 ? pass_measure_scale : 0.0f;
+    // With statistics the item's unscaled abs-max times the global scale (at the global scale
+    // for any item); without, what an island's item reads is at its own scale until divided.
+    const float measure_scale = pass_measure_scale;
     uint32_t& item_mag = w.island == 0 ? mag : island_mag;
     if constexpr (kStats) {
       double* row = k.pass.grad_stats + (1 + k.first_item + c) * kStatFields;
@@ -259,7 +261,7 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
         if constexpr (!kFloatOnly || std::is_same_v<T, float>) {
           bad |= process_chunk_stats<T, kCheckOnly>(
               static_cast<T*>(w.data), static_cast<int>(w.numel), static_cast<opmath_t<T>>(inv),
-              inv_is_one, row, measure_scale, item_mag);
+              inv_is_one, row, measure_scale, mag);
         }
       });
     } else if constexpr (kFloatOnly) {
@@ -274,6 +276,11 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
             static_cast<T*>(w.data), static_cast<int>(w.numel), static_cast<opmath_t<T>>(inv),
             inv_is_one, item_mag);
       });
+    }
+    if (kMeasure && !kStats && w.island != 0) {  // (at the global scale: divided by its factor)
+      const uint32_t global = k.pass.global_magnitude(island_mag, w.island);
+      mag = global > mag ? global : mag;
+      island_mag = 0;
     }
   }
   bad = __syncthreads_or(bad);

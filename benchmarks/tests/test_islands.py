@@ -319,7 +319,7 @@ def test_docs_quote_the_committed_run() -> None:
     for table in tables:
         assert table in doc, "paste the committed results.md's islands tables into the docs"
     seconds = re.search(r"^`python -m benchmarks --only islands[^`]*`, (\d+) s\.", results, re.M)
-    others = re.search(r"used (\d+)% of the CPU time", results)
+    others = re.search(r"cpu_used_by_others +\| ([\d.]+)% of all CPU time", results)
     assert seconds and others
     assert f"{seconds[1]} s, with {others[1]}% of the CPU taken by other processes" in doc
     prose = "\n".join(line for line in doc.splitlines() if not line.startswith("|"))

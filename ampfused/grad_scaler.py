@@ -31,6 +31,7 @@ never differ, and the scale policy and the counters hold on every path.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import numbers
 import warnings
@@ -896,7 +897,12 @@ class GradScaler(torch.amp.GradScaler):
                 this iteration's pass, where the figures at hand are the last iteration's
                 (``report().step`` says which iteration a report is).
         """
-        return self._watching("report").report()
+        watch = self._watching("report")
+        report = watch.report()
+        if self._island_set is not None:  # (the islands in force in the report's iteration)
+            factors = self._island_set.factors_of(current=bool(watch.now))
+            report = dataclasses.replace(report, islands=factors)
+        return report
 
     @not_traced_eager
     def island_factors(self) -> dict[str, float]:

@@ -154,6 +154,9 @@ class StepReport:
         chains: with traced activations: the watched model's plain ``nn.Sequential`` modules,
             each with its children's names in call order (nothing runs between two of them but
             autocast's casts, so consecutive children make one island).
+        islands: with ``GradScaler(islands=...)``: each scale island's factor over the global
+            scale in this iteration, by module name; the traced rows of a module inside one
+            are at the global scale times it.
     """
 
     step: int
@@ -165,6 +168,7 @@ class StepReport:
     activations: list[ActivationStats] = field(default_factory=list, repr=False)
     reference: StepReport | None = field(default=None, repr=False)
     chains: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    islands: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def forward_origin(self) -> ActivationStats | None:
@@ -309,14 +313,33 @@ class StepReport:
         ]
         for a in rows[:LISTED]:
             call = f" (call {a.call})" if a.call else ""
+            island = self.island_of(a.module)
+            at = f", in scale island {island} at 2^{self._log2(island)}" if island else ""
             lines.append(
                 f"    {a.module or '<model>'}{call} output gradient: {a.subnormal_share:.2%} of "
-                f"{a.numel - a.zeros - a.non_finite} nonzero (largest |x| {a.abs_max:.4g})"
+                f"{a.numel - a.zeros - a.non_finite} nonzero (largest |x| {a.abs_max:.4g}{at})"
             )
         return lines
 
+    def _island_lines(self) -> list[str]:
+        if not self.islands:
+            return []
+        exponents = sorted(math.log2(f) for f in self.islands.values())
+        return [
+            f"  scale islands: {len(self.islands)}, at 2^{exponents[0]:g} to 2^{exponents[-1]:g} "
+            "times the global scale (their modules' traced gradients are at that scale)"
+        ]
+
+    def island_of(self, module: str) -> str | None:
+        """The innermost scale island holding `module` (its name), or None."""
+        inside = [n for n in self.islands if module == n or module.startswith(n + ".")]
+        return max(inside, key=len) if inside else None
+
+    def _log2(self, island: str) -> str:
+        return f"{math.log2(self.islands[island]):g}"
+
     def __str__(self) -> str:
-        return "\n".join([self._summary(), *self._underflow_lines()])
+        return "\n".join([self._summary(), *self._underflow_lines(), *self._island_lines()])
 
     def _summary(self) -> str:
         where = "" if self.rank is None else f" (rank {self.rank})"

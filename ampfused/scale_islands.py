@@ -564,7 +564,7 @@ class ScalerIslands:
     """What a GradScaler with ``islands=`` keeps: the argument, the model (from ``watch``),
     the installed :class:`Islands` (for "auto": once chosen), a checkpoint's rows."""
 
-    __slots__ = ("argument", "model", "islands", "loaded", "iterations")
+    __slots__ = ("argument", "model", "islands", "loaded", "iterations", "last")
 
     def __init__(self, argument: Any) -> None:
         self.argument = argument
@@ -572,6 +572,8 @@ class ScalerIslands:
         self.islands: Islands | None = None
         self.loaded: dict | None = None
         self.iterations = 0  # updates with islands in force ("auto" looks again at AUTO_REVIEW)
+        # The last completed iteration's islands and factors (no sync: a copy on the device)
+        self.last: tuple[list[str], torch.Tensor] | None = None
 
     def attach(self, where: str, parameters: Any, activations: Any, plan: list) -> None:
         """watch(model, activations=...): the model the islands live in.  Several ranks need
@@ -676,6 +678,7 @@ class ScalerIslands:
         islands = self.islands
         if islands is None or islands.state is None:
             return
+        self.last = (list(islands.names), islands.factor.clone())
         if islands.committable:
             islands.commit(scaler._scale)
             islands.committable = False
@@ -703,6 +706,17 @@ class ScalerIslands:
         islands.remove()
         grown.load_rows([rows_of.get(n, fresh) for n in grown.names], float(scale))
         self.islands = grown
+
+    def factors_of(self, current: bool) -> dict[str, float]:
+        """The factors in force in the current iteration, or the last completed one (a
+        sync)."""
+        if current:
+            islands = self.islands
+            return {} if islands is None else islands.factors()
+        if self.last is None:
+            return {}
+        names, factor = self.last
+        return dict(zip(names, factor.tolist(), strict=True))
 
     def checkpoint(self) -> dict | None:
         if self.islands is not None:

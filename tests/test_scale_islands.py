@@ -1114,3 +1114,28 @@ def test_traced_rows_inside_an_island_reach_the_global_magnitude_divided() -> No
     assert into.item() == 800.0  # (loud.0's 100 at a factor of 1/8: 800 at the global scale)
     assert _grad_pass.activation_magnitude(rows, into, None) and into.item() == 300.0
     islands.remove()
+
+
+def test_report_names_the_islands_of_its_iteration() -> None:
+    """report().islands holds the factors in force in the report's iteration (the current one
+    between unscale_ and update, else the last completed one, not the next one's); its text
+    lists them, and an underflow line of a module inside an island names the island."""
+    torch.manual_seed(0)
+    model = QuietNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (the same gradients each time)
+    scaler = scaler_with(["quiet"]).watch(model, activations=True)
+    warm_up(scaler, model, f16_loss, [opt])
+    force(scaler, {"quiet": 2.0**-8})  # (low: quiet's gradients underflow at it)
+    scaler.scale(f16_loss(model)).backward()
+    scaler.unscale_(opt)
+    now = scaler.report()
+    assert now.islands == {"quiet": 2.0**-8}
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.island_factors() != {"quiet": 2.0**-8}  # (moved by the update)
+    last = scaler.report()
+    assert last.islands == {"quiet": 2.0**-8}
+    text = str(last)
+    assert "scale islands: 1, at 2^-8 to 2^-8 times the global scale" in text, text
+    lines = [line for line in text.splitlines() if "quiet." in line and "subnormal" not in line]
+    assert any("in scale island quiet at 2^-8" in line for line in lines), text

@@ -382,6 +382,34 @@ def ddp_islands(rank: int, world: int, device: str, group: bool = True):
     return {"factors": factors, "params": [snap(p) for p in model.parameters()]}
 
 
+def fsdp2_islands(rank: int, world: int, device: str):
+    """Scale islands on an FSDP2 model (each Linear and the model fully_shard-ed): the pass
+    takes the islands' DTensor gradients as their local shards, each by its island's factor;
+    with found_inf_group every rank holds the same factors and the same parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    model = make_model(device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_opt("sgd", model.parameters())
+    dt = torch.device(device).type
+    sc = ampfused.GradScaler(dt, policy="headroom", islands=["0"], found_inf_group=dist.group.WORLD)
+    sc.watch(model, activations=True)
+    factors = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x = batch(step, rank, device) * (64.0 if rank else 1.0)
+        sc.scale(loss_of(model, x)).backward()
+        sc.step(optimizer)
+        sc.update()
+        factors.append(sc.island_factors())
+    return {"factors": factors, "params": [snap(p) for p in model.parameters()]}
+
+
 def master_weights(rank: int, world: int, device: str):
     """float16 parameters with float32 masters (MasterWeights) under DDP, found_inf agreed:
     inf in rank 1's float16 model gradient after the all-reduce."""

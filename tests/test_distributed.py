@@ -290,6 +290,15 @@ def test_ddp_scale_islands_agree(pool: RankPool) -> None:
     assert all("found_inf_group" in r["error"] for r in refused)
 
 
+def test_fsdp2_scale_islands_agree(pool: RankPool) -> None:
+    """Scale islands on FSDP2 (DTensor gradients) with found_inf_group: the same factors on
+    every rank, moved off 1, and the same full parameters, all finite."""
+    out = pool.run("fsdp2_islands")
+    assert out[0]["factors"] == out[1]["factors"]
+    assert any(f["0"] != 1.0 for f in out[0]["factors"]), out[0]["factors"]
+    assert out[0]["params"] == out[1]["params"]
+
+
 def test_master_weights_agree(pool: RankPool) -> None:
     out = pool.run("master_weights")
     assert_ranks_agree(out)

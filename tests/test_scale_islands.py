@@ -327,6 +327,38 @@ def test_exact_gradients(make: Callable, islands: list[str], factors: dict) -> N
         run.ref.zero_grad(set_to_none=True)
 
 
+class Checkpointed(nn.Module):
+    """Block inside torch.utils.checkpoint (non-reentrant): its forward runs again in backward,
+    hooks and all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("islands", [["block"], ["block.own"]], ids=["the-region", "inside-it"])
+def test_exact_under_activation_checkpointing(islands: list[str]) -> None:
+    """An island in (or being) a checkpointed region: the recomputed forward installs the edge
+    hooks again, and each gradient is still scaled once: exact against torch's scaler."""
+    torch.manual_seed(0)
+    run = Exactness(Checkpointed(), islands, {islands[0]: 64.0}, mse)
+    for seed in (1, 2):
+        run.begin()
+        run.backward(seed)
+        run.check_scaled()
+        run.unscale()
+        run.step()
+        run.model.zero_grad(set_to_none=True)
+        run.ref.zero_grad(set_to_none=True)
+
+
 def test_exact_accumulation_over_two_backward_passes() -> None:
     torch.manual_seed(0)
     factors = {"block": 64.0}

@@ -426,6 +426,9 @@ class Trace:
     # step, underflowed, subnormal, elements, largest activation and parameter gradient (scaled)
     samples: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
     measured: list[tuple[int, Any]] = field(default_factory=list)  # step, train()'s measure
+    # the headroom policy's measured magnitude of each step (scaled, at the step's scale; +inf:
+    # it found inf/NaN; 0: nothing measured): scaler.magnitude() after its update
+    magnitudes: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -509,6 +512,8 @@ def train(
             t0 += time.perf_counter() - t1  # (the float32 recompute is not the run's time)
         if optimizer_step(task, scaler, params, opt):
             out.skipped.append(i)
+        if getattr(scaler, "policy", None) == "headroom":
+            out.magnitudes.append(scaler.magnitude())  # (a sync, outside the timed part below)
         out.losses.append(float(shown))
         out.log2_scales.append(_log2(scale))
         out.wall_s += time.perf_counter() - t0
@@ -555,6 +560,8 @@ def summary(trace: Trace, task: Task, form: Form) -> dict[str, Any]:
         r["log2_scale_median"] = statistics.median(finite)
         r["log2_scale_lowest"] = min(finite)
         r["log2_scales"] = [int(x) if x == int(x) else x for x in trace.log2_scales]
+        if trace.magnitudes:
+            r["magnitudes"] = trace.magnitudes
         lost, sub, n = (sum(s[k] for s in trace.samples) for k in (1, 2, 3))
         ratios = [a / p for *_, a, p in trace.samples if 0 < p < math.inf and a < math.inf]
         r["underflow"] = {
@@ -567,6 +574,23 @@ def summary(trace: Trace, task: Task, form: Form) -> dict[str, Any]:
             "samples": [list(s) for s in trace.samples],
         }
     return r
+
+
+def at_scale(run: dict[str, Any], log2_scale: float, spikes: Sequence[int]) -> dict[str, Any]:
+    """What a headroom run's measured magnitudes say of a higher global scale (issue 36 §3):
+    each step's largest scaled gradient moved to 2^log2_scale (and to half a binade below it),
+    and the steps where it would pass float16's largest value, 65,504 (an overflow: a skipped
+    step), leaving out the steps that found inf/NaN or measured nothing, and the planted spikes'
+    windows."""
+    window = {t for s in spikes for t in range(s, s + SPIKE_WINDOW)}
+    over: dict[str, list[int]] = {"at": [], "half_binade_below": []}
+    for t, (m, s) in enumerate(zip(run["magnitudes"], run["log2_scales"], strict=True)):
+        if t in window or not (0 < m < math.inf) or not math.isfinite(s):
+            continue
+        for key, shift in (("at", 0.0), ("half_binade_below", -0.5)):
+            if m * 2.0 ** (log2_scale + shift - s) > 65504.0:
+                over[key].append(t)
+    return {"log2_scale": log2_scale, **{k: v for k, v in over.items()}}
 
 
 def verdict(run: dict[str, Any], torch_run: dict[str, Any] | None, noise: float | None) -> dict:
@@ -737,6 +761,8 @@ def run_task(
                 r[key] = r["final_loss"] - other["final_loss"]
         if "skipped" in r and r["seed"] == DATA_SEED:
             r["target"] = verdict(r, ref, noise)
+        if "magnitudes" in r and ref is not None and ref.get("status") == "ok":
+            r["at_torch_median"] = at_scale(r, ref["log2_scale_median"], form.spikes(task))
     runs += mine
 
     def alike(x: str, y: str) -> bool | None:
@@ -874,6 +900,16 @@ def finding(result: dict[str, Any], name: str) -> str:
             f"The largest float16 activation gradient is {ratio:.3g} times the largest "
             "parameter gradient (torch's default, median over the sampled steps). "
         )
+    for r in runs.values():
+        at = r.get("at_torch_median")
+        if at is None or r["log2_scale_median"] >= at["log2_scale"] - 0.5:
+            continue
+        line += (
+            f"{r['policy']} (median 2^{_log2_cell(r['log2_scale_median'])}): at torch's median "
+            f"scale its measured magnitudes pass 65,504 at {len(at['at'])} steps outside the "
+            f"spikes{_first_steps(at['at'])}, at half a binade below it at "
+            f"{len(at['half_binade_below'])}{_first_steps(at['half_binade_below'])}. "
+        )
     traced = t.get("traced_equals_untraced")
     if traced is not None:
         line += (
@@ -891,6 +927,13 @@ def finding(result: dict[str, Any], name: str) -> str:
         else "ampfused's default not compared with torch's (a run did not finish)."
     )
     return line
+
+
+def _first_steps(steps: list[int]) -> str:
+    """' (steps a, b, c, d, ...)', or '' for none."""
+    if not steps:
+        return ""
+    return f" (steps {', '.join(map(str, steps[:4]))}{', ...' if len(steps) > 4 else ''})"
 
 
 def noise_text(noise: dict[str, Any]) -> str:

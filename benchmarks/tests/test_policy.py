@@ -14,6 +14,8 @@ from benchmarks.report import CONSOLE_WIDTH
 from benchmarks.suite import Context
 from benchmarks.timing import QUICK_TIMING
 
+INF = float("inf")
+
 pytest.importorskip("transformers")
 
 TINY = policy.Form(
@@ -152,3 +154,19 @@ def test_tables_fit_the_console_and_name_their_columns(result: dict, tmp_path: P
     path = compare.write(tmp_path, {"command": "x"}, [], None, result)
     assert compare.load(path)["policy"]["runs"][0]["policy"] == policy.TORCH
     assert policy.plot(result, tmp_path, "test").is_file()
+
+
+def test_at_scale_counts_the_steps_a_higher_scale_would_overflow() -> None:
+    """policy.at_scale: each step's measured magnitude moved to the given scale (and half a
+    binade below it) passes 65,504 or not; steps that found inf/NaN, measured nothing, or sit in
+    a planted spike's window are left out."""
+    run = {
+        # step:     0       1        2         3     4      5        6 (spike)  7 (in its window)
+        "magnitudes": [1000.0, 20000.0, 50000.0, 0.0, INF, 35000.0, 60000.0, 60000.0],
+        "log2_scales": [8, 8, 8, 8, 8, 8, 8, 8],
+    }
+    at = policy.at_scale(run, 9.0, [6])
+    assert at["log2_scale"] == 9.0
+    assert at["at"] == [2, 5]  # (x2: 100,000 and 70,000 pass 65,504; 40,000 does not)
+    assert at["half_binade_below"] == [2]  # (x2^0.5: 70,711 passes; 49,497 does not)
+    assert policy.at_scale(dict(run, log2_scales=[9] * 8), 9.0, [6])["at"] == []

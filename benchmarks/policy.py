@@ -906,9 +906,8 @@ def finding(result: dict[str, Any], name: str) -> str:
             continue
         line += (
             f"{r['policy']} (median 2^{_log2_cell(r['log2_scale_median'])}): at torch's median "
-            f"scale its measured magnitudes pass 65,504 at {len(at['at'])} steps outside the "
-            f"spikes{_first_steps(at['at'])}, at half a binade below it at "
-            f"{len(at['half_binade_below'])}{_first_steps(at['half_binade_below'])}. "
+            f"scale its measured magnitudes pass 65,504 at {_steps(at['at'])} outside the "
+            f"spikes, at half a binade below it at {_steps(at['half_binade_below'])}. "
         )
     traced = t.get("traced_equals_untraced")
     if traced is not None:
@@ -929,11 +928,14 @@ def finding(result: dict[str, Any], name: str) -> str:
     return line
 
 
-def _first_steps(steps: list[int]) -> str:
-    """' (steps a, b, c, d, ...)', or '' for none."""
+def _steps(steps: list[int]) -> str:
+    """'no step', 'one step (step a)' or 'N steps (steps a, b, c, d, ...)'."""
     if not steps:
-        return ""
-    return f" (steps {', '.join(map(str, steps[:4]))}{', ...' if len(steps) > 4 else ''})"
+        return "no step"
+    if len(steps) == 1:
+        return f"one step (step {steps[0]})"
+    more = ", ..." if len(steps) > 4 else ""
+    return f"{len(steps)} steps (steps {', '.join(map(str, steps[:4]))}{more})"
 
 
 def noise_text(noise: dict[str, Any]) -> str:

@@ -370,12 +370,19 @@ def ddp_islands(rank: int, world: int, device: str, group: bool = True):
         sc.watch(model, activations=True)
     except RuntimeError as e:
         return {"error": str(e)}
+    return train_islands(rank, device, model, wrapped, optimizer, sc)
+
+
+def train_islands(
+    rank: int, device: str, model: nn.Module, forward: nn.Module, optimizer: Any, sc: Any
+) -> dict:
+    """STEPS iterations, rank 1's batches 2^6 larger than rank 0's (so the ranks' measurements
+    differ); each step's island factors and the final parameters."""
     factors = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        # (rank 1's batch 2^6 larger: its measurements differ from rank 0's)
         x = batch(step, rank, device) * (64.0 if rank else 1.0)
-        sc.scale(loss_of(wrapped, x)).backward()
+        sc.scale(loss_of(forward, x)).backward()
         sc.step(optimizer)
         sc.update()
         factors.append(sc.island_factors())
@@ -399,15 +406,7 @@ def fsdp2_islands(rank: int, world: int, device: str):
     dt = torch.device(device).type
     sc = ampfused.GradScaler(dt, policy="headroom", islands=["0"], found_inf_group=dist.group.WORLD)
     sc.watch(model, activations=True)
-    factors = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        x = batch(step, rank, device) * (64.0 if rank else 1.0)
-        sc.scale(loss_of(model, x)).backward()
-        sc.step(optimizer)
-        sc.update()
-        factors.append(sc.island_factors())
-    return {"factors": factors, "params": [snap(p) for p in model.parameters()]}
+    return train_islands(rank, device, model, model, optimizer, sc)
 
 
 def master_weights(rank: int, world: int, device: str):

@@ -234,7 +234,9 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
     unscale_kernel(const __grid_constant__ KernelArgs<kCapacity> k) {
   // In a check-only pass visit() ignores inv; the statistics still see unscaled values.
   const float pass_inv = kStats ? k.pass.stats_inv_scale() : k.pass.inv_scale();
-  const float pass_measure_scale = kStats && k.pass.measures() ? *k.pass.scale : 0.0f;
+  // With statistics the magnitude is an item's unscaled abs-max times the global scale: at the
+  // global scale for any item, an island's too.
+  const float measure_scale = kStats && k.pass.measures() ? *k.pass.scale : 0.0f;
   uint32_t mag = 0;
   uint32_t island_mag = 0;  // what an island's item measures, at its own scale
   bool bad = false;
@@ -250,9 +252,7 @@ __global__ void __launch_bounds__(kBlockSize, kFloatOnly && !kStats ? kFloatOnly
     // Uniform across the block, as the item is.
     const float inv = k.pass.item_inv(pass_inv, w.island);
     const bool inv_is_one = inv == 1.0f;
-    // With statistics the item's unscaled abs-max times the global scale (at the global scale
-    // for any item); without, what an island's item reads is at its own scale until divided.
-    const float measure_scale = pass_measure_scale;
+    // (without statistics an island's item measures at its own scale: divided below)
     uint32_t& item_mag = w.island == 0 ? mag : island_mag;
     if constexpr (kStats) {
       double* row = k.pass.grad_stats + (1 + k.first_item + c) * kStatFields;

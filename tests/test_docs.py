@@ -201,6 +201,15 @@ def check_islands(ns: dict[str, Any], out: str) -> None:
     assert all(p.grad.abs().max() < 100 for p in model.parameters()), out
 
 
+def check_islands_readme(ns: dict[str, Any], out: str) -> None:
+    """ "auto" chose the quiet branch (and only it) and lifted it by a power of two above 1,
+    with no skipped step."""
+    factors = ns["scaler"].island_factors()
+    assert list(factors) == ["branch"] and factors["branch"] > 1.0, out
+    assert math.log2(factors["branch"]) == round(math.log2(factors["branch"])), out
+    assert ns["scaler"].counters()["skipped_steps"] == 0, out
+
+
 def check_underflow(ns: dict[str, Any], out: str) -> None:
     """The report's underflow lines and the rows the example prints agree, worst first, and the
     too-low scale leaves most of the first layer's output gradients subnormal."""
@@ -239,6 +248,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "gpt2-attention": check_gpt2_attention,
     "headroom": check_headroom,
     "islands": check_islands,
+    "islands-readme": check_islands_readme,
     "lightning-norms": check_lightning_norms,
     "ops": check_ops,
     "swap-cpu": check_swap_cpu,

@@ -183,6 +183,13 @@ class Islands:
         self.committable = False  # whether `next` holds this iteration's update
         self.hold: torch.Tensor | None = None  # whether the global update is held (prepare_next)
         self.dev = device
+        # (each island's parent index, 0 for none, and whether it has one: made once, on the
+        # device, so a refresh copies nothing from the host)
+        self._parents = (
+            torch.tensor([max(p, 0) for p in self.parent], device=device),
+            torch.tensor([p >= 0 for p in self.parent], device=device),
+        )
+        self._ids: dict[tuple, torch.Tensor] = {}  # island ids on the device, by their values
         # This iteration's edge statistics: (island, ENTRY or EXIT, dtype, table), in backward
         # order.
         self.edges: list[tuple[int, int, torch.dtype, torch.Tensor]] = []
@@ -194,7 +201,8 @@ class Islands:
                 module.register_forward_pre_hook(self._entering(k), with_kwargs=True)
             )
             # prepend: before a tracer's hook, which then records the island's own scale
-            self._handles.append(module.register_forward_hook(self._leaving(k), prepend=True))
+            leaf = next(module.children(), None) is None
+            self._handles.append(module.register_forward_hook(self._leaving(k, leaf), prepend=True))
 
     def _check_tied(self, model: torch.nn.Module, where: str) -> None:
         """A parameter an island shares with a module outside it would get the sum of
@@ -244,16 +252,39 @@ class Islands:
 
         return hook
 
-    def _leaving(self, k: int) -> Any:
-        """The forward hook: the gradient of each output (what enters the island in backward)
-        is multiplied by the island's f."""
+    def _leaving(self, k: int, leaf: bool) -> Any:
+        """The forward hook: the gradient of each output that needs one (what enters the island
+        in backward) is multiplied by the island's f, once per tensor (an output holding a
+        tensor twice gets one factor).  A leaf module's output tensors get the hook themselves
+        (it runs before a tracer's, registered after it); a container's leave as views with
+        the hook, so that it runs before the hooks a traced child put on the same tensor (a
+        module torch.compile then splits one graph more for)."""
         scale = functools.partial(self._entry_grad, k)
 
-        def hook(module: Any, args: tuple, output: Any) -> None:
+        def wrap(v: Any, views: dict[int, torch.Tensor]) -> Any:
+            if isinstance(v, torch.Tensor):
+                if not (v.requires_grad and v.is_floating_point()):
+                    return v
+                view = views.get(id(v))
+                if view is None:
+                    view = views[id(v)] = v.view_as(v)
+                    view.register_hook(scale)
+                return view
+            if type(v) in (tuple, list):
+                return type(v)(wrap(x, views) for x in v)
+            if type(v) is dict:
+                return {key: wrap(x, views) for key, x in v.items()}
+            return v
+
+        def hook(module: Any, args: tuple, output: Any) -> Any:
             if not torch.is_grad_enabled():
                 return None
+            if not leaf:
+                return wrap(output, {})
+            seen = set()
             for t in _tensors(output):
-                if t.requires_grad and t.is_floating_point():
+                if t.requires_grad and t.is_floating_point() and id(t) not in seen:
+                    seen.add(id(t))
                     t.register_hook(scale)
             return None
 
@@ -348,8 +379,7 @@ class Islands:
         factor = factor.to(self.factor.device)
         self.factor.copy_(factor)
         self.inv.copy_(factor.reciprocal())
-        parents = torch.tensor([max(p, 0) for p in self.parent], device=factor.device)
-        has_parent = torch.tensor([p >= 0 for p in self.parent], device=factor.device)
+        parents, has_parent = self._parents
         edge = torch.where(has_parent, factor / factor[parents], factor)
         self.edge.copy_(edge)
         self.edge_inv.copy_(edge.reciprocal())
@@ -397,7 +427,7 @@ class Islands:
             of = self.of_groups([p for g in groups for p in g["params"]])
             per_grad = torch.tensor([of[p] for p in positions[:, 0].tolist()], dtype=torch.long)
             rows_per_grad = (positions[:, 1] + ops.CHUNK_SIZE - 1) // ops.CHUNK_SIZE
-            ids = per_grad.repeat_interleave(rows_per_grad).to(dev)
+            ids = self._on_device(tuple(per_grad.repeat_interleave(rows_per_grad).tolist()))
             items = table[1:]
             top.scatter_reduce_(0, ids, items[:, 1], "amax")
             param_bad.scatter_add_(0, ids, items[:, 2:5].sum(1))
@@ -429,10 +459,10 @@ class Islands:
             entry.append(edge == ENTRY)
         arrived = torch.zeros(count, dtype=torch.bool, device=dev)
         if ids:
-            at = torch.tensor(ids, device=dev)
+            at = self._on_device(tuple(ids))
             top.scatter_reduce_(0, at, torch.stack(tops), "amax")
             bad = torch.stack(bads)
-            is_entry = torch.tensor(entry, device=dev)
+            is_entry = self._on_device(tuple(entry))
             counts = torch.zeros(count + 1, dtype=torch.float64, device=dev)
             inside |= counts.scatter_add(0, at, torch.where(is_entry, 0.0, bad))[1:] > 0
             # (an entry overflowing by the island's factor: started inside, 0.5 per such row)
@@ -452,6 +482,16 @@ class Islands:
         self.next[:, MAGNITUDE] = magnitude.view(torch.int32)
         for k in range(count):
             ops.scaler_update_(found[k], self.state[k], self.next[k], *policy)
+
+    def _on_device(self, values: tuple) -> torch.Tensor:
+        """`values` as a tensor on the islands' device, made once per distinct tuple (the same
+        gradients and traced modules each step: no host-to-device copy after the first)."""
+        t = self._ids.get(values)
+        if t is None:
+            if len(self._ids) > 64:  # (a model whose calls vary: keep the cache small)
+                self._ids.clear()
+            t = self._ids[values] = torch.tensor(values, device=self.dev)
+        return t
 
     def hold_global(self, state: torch.Tensor, nxt: torch.Tensor) -> None:
         """The global update in `nxt` undone where :attr:`hold` says (the iteration still
@@ -509,7 +549,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return out
 
 
-def choose(model: torch.nn.Module, rows: list) -> list[str]:
+def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
     """``islands="auto"``: from one iteration's traced backward float16 rows (scaled values),
     the islands to make: every traced leaf module with parameters (a Linear, a convolution, a
     norm) whose largest output gradient sits at least AUTO_GAP binades below the whole model's
@@ -517,8 +557,9 @@ def choose(model: torch.nn.Module, rows: list) -> list[str]:
     (its output gradient, traced; its parameters' gradients, in the pass; its input gradient,
     at the island's exit); a block's is not (the functional ops between its modules, an
     attention's scores among them, are not traced), so blocks are islands only by name.
-    Returns [] where none qualifies or the iteration held inf/NaN (a sync: one copy of the
-    rows' figures)."""
+    Returns [] where none qualifies, None where the iteration held inf/NaN (a sync: one copy of
+    the rows' figures).  Embeddings are left out: a weight read outside its module (tied to an
+    output projection by a direct call) would get gradients at two scales."""
     values = [
         (name, table[1 + input_rows :, 1:5])
         for name, _, direction, _, table, _, dtype, input_rows in rows
@@ -529,7 +570,7 @@ def choose(model: torch.nn.Module, rows: list) -> list[str]:
     # (per row: the largest finite magnitude, and inf/NaN counts)
     both = torch.stack([torch.stack((v[:, 0].max(), v[:, 1:].sum())).cpu() for _, v in values])
     if bool((both[:, 1] > 0).any()):
-        return []  # (an overflowing iteration: the next clean one decides)
+        return None  # (an overflowing iteration: the next clean one decides)
     tops: dict[str, float] = {}
     for (name, _), v in zip(values, both[:, 0].tolist(), strict=True):
         tops[name] = max(tops.get(name, 0.0), v)
@@ -545,6 +586,8 @@ def choose(model: torch.nn.Module, rows: list) -> list[str]:
     for name, top in tops.items():
         module = modules.get(name)
         if module is None or next(module.children(), None) is not None or not top > 0:
+            continue
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             continue
         params = list(module.parameters())
         if (
@@ -571,7 +614,9 @@ class ScalerIslands:
         self.model: torch.nn.Module | None = None
         self.islands: Islands | None = None
         self.loaded: dict | None = None
-        self.iterations = 0  # updates with islands in force ("auto" looks again at AUTO_REVIEW)
+        # Updates counted for "auto" (from the first; with named islands, from their first
+        # pass): it chooses in the first AUTO_REVIEW[0], and looks again at each AUTO_REVIEW
+        self.iterations = 0
         # The last completed iteration's islands and factors (no sync: a copy on the device)
         self.last: tuple[list[str], torch.Tensor] | None = None
 
@@ -652,7 +697,14 @@ class ScalerIslands:
         if self.model is None or watch is None or watch.tracer is None:
             return
         if self.islands is None:
-            if self.argument == "auto" and watch.tracer.now and watch.now:
+            # ("auto": each of the first AUTO_REVIEW[0] updates may choose, the scale settling
+            # from its start meanwhile; then only at the reviews: a choice costs a sync)
+            if (
+                self.argument == "auto"
+                and watch.tracer.now
+                and watch.now
+                and (self.iterations < AUTO_REVIEW[0] or self.iterations in AUTO_REVIEW)
+            ):
                 names = choose(self.model, watch.tracer.now)
                 if names:
                     self._install(names, "GradScaler(islands='auto')")
@@ -676,6 +728,8 @@ class ScalerIslands:
         """update(), after: the islands' updates committed and their factors moved with the
         global scale."""
         islands = self.islands
+        if islands is None and self.argument == "auto":  # (counting toward the next look)
+            self.iterations += 1
         if islands is None or islands.state is None:
             return
         self.last = (list(islands.names), islands.factor.clone())
@@ -719,7 +773,11 @@ class ScalerIslands:
         return dict(zip(names, factor.tolist(), strict=True))
 
     def checkpoint(self) -> dict | None:
-        if self.islands is not None:
+        """state_dict()'s entry: the islands' rows once they exist (before their first pass
+        there is nothing to resume: the islands start afresh, "auto" chooses again)."""
+        if self.islands is not None and (
+            self.islands.state is not None or self.islands.loaded is not None
+        ):
             return {**self.islands.checkpoint(), "iterations": self.iterations}
         return None if self.loaded is None else self.loaded[0]
 

@@ -114,8 +114,9 @@ std::optional<std::vector<ScalerFound>> fused_pass(
           const at::Tensor next = here ? next_state : at::empty_like(s);
           ops::scaler_pass_::call(grads, f, s, next, stats, growth_factor, backoff_factor,
                                   growth_interval, min_scale, max_scale, hysteresis, check_only,
-                                  here && accumulate, here ? headroom : 0.0, islands,
-                                  islands.empty() ? std::nullopt : island_inv);
+                                  here && accumulate, here ? headroom : 0.0,
+                                  here ? c10::IntArrayRef(islands) : c10::IntArrayRef(),
+                                  here && !islands.empty() ? island_inv : std::nullopt);
           return {device, f, stats, positions};
         }
         f.zero_();

@@ -327,6 +327,68 @@ def test_exact_gradients(make: Callable, islands: list[str], factors: dict) -> N
         run.ref.zero_grad(set_to_none=True)
 
 
+class SameTwice(nn.Module):
+    """An island returning one tensor twice: a container (a Linear inside) or a leaf (its own
+    weight); the two are summed outside it."""
+
+    def __init__(self, leaf: bool) -> None:
+        super().__init__()
+        self.leaf = leaf
+        if leaf:
+            self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        else:
+            self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ self.weight if self.leaf else self.lin(x)
+        return y, y
+
+
+class TwiceOut(nn.Module):
+    def __init__(self, leaf: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blk = SameTwice(leaf)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.blk(torch.tanh(self.inp(x)))
+        return self.head(a + b)
+
+
+@pytest.mark.parametrize("leaf", [False, True], ids=["container", "leaf"])
+def test_exact_when_an_island_returns_a_tensor_twice(leaf: bool) -> None:
+    """One factor per tensor: an output holding the same tensor twice is not scaled twice."""
+    torch.manual_seed(0)
+    run = Exactness(TwiceOut(leaf), ["blk"], {"blk": 16.0}, mse)
+    for seed in (1, 2):
+        run.begin()
+        run.backward(seed)
+        run.check_scaled()
+        run.unscale()
+        run.step()
+        run.model.zero_grad(set_to_none=True)
+        run.ref.zero_grad(set_to_none=True)
+
+
+def test_a_container_islands_last_child_is_traced_at_the_islands_scale() -> None:
+    """A container island whose output is its last child's output: the child's traced output
+    gradient is at the island's scale (the factor applied before the child's hook), as the
+    global magnitude and the report take it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    x = torch.randn(4, 6)
+    scaler = scaler_with(["1"], init_scale=2.0**10).watch(model, activations=True)
+    warm_up(scaler, model, lambda m: m(x).square().sum(), [torch.optim.SGD(model.parameters())])
+    force(scaler, {"1": 16.0})
+    scale = scaler.get_scale()
+    out = model(x)
+    scaler.scale(out.square().sum()).backward()
+    rows = {a.module: a for a in scaler._watch.report_activations() if a.direction == "backward"}
+    want = 2.0 * out.detach().abs().max().item() * scale  # (d(scale * sum(out^2)) / d out, exact)
+    assert rows["1.1"].abs_max == want * 16.0, (rows["1.1"].abs_max, want)
+
+
 class Checkpointed(nn.Module):
     """Block inside torch.utils.checkpoint (non-reentrant): its forward runs again in backward,
     hooks and all."""

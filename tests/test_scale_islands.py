@@ -1233,3 +1233,22 @@ def test_report_names_the_islands_of_its_iteration() -> None:
     assert "scale islands: 1, at 2^-8 to 2^-8 times the global scale" in text, text
     lines = [line for line in text.splitlines() if "quiet." in line and "subnormal" not in line]
     assert any("in scale island quiet at 2^-8" in line for line in lines), text
+
+
+@pytest.mark.parametrize("islands", [["quiet"], "auto"], ids=["named", "auto"])
+def test_checkpoint_and_pickle_before_the_first_pass(islands: object) -> None:
+    """Before the islands' first pass there are no rows to keep: state_dict() writes no
+    islands entry, and it, a deepcopy and a pickle load and train (they wrote rows of None,
+    which load_state_dict and watch() refused)."""
+    model, opt, scaler = fresh(islands, seed=0)
+    scaler.watch(model, activations=True)
+    if islands == "auto":
+        train(model, opt, scaler, range(1))  # (the step that chooses: no pass of them yet)
+    state = scaler.state_dict()
+    assert CHECKPOINT_KEY not in state or state[CHECKPOINT_KEY]["states"] is not None
+    _, _, other = fresh(islands)
+    other.load_state_dict(state)
+    for clone in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        model2, opt2, _ = fresh(islands, seed=0)
+        clone.watch(model2, activations=True)
+        assert not any(train(model2, opt2, clone, range(1, 3))[1:])

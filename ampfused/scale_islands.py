@@ -223,9 +223,6 @@ class Islands:
             h.remove()
         self._handles = []
 
-    def __len__(self) -> int:
-        return len(self.names)
-
     # -- the edges (torch.compile traces the module hooks; the gradient hooks it calls instead
     # of tracing, and they run eagerly: they read the gradient's statistics)
     def _entering(self, k: int) -> Any:

@@ -224,15 +224,8 @@ def _count_torch_unscale() -> list[int]:
     return calls
 
 
-def fsdp2(
-    rank: int,
-    world: int,
-    device: str,
-    scaler: str,
-    opt: str,
-    clip: float | None = None,
-    poison_value: float = INF,
-):
+def fsdp2_model(device: str, world: int) -> nn.Module:
+    """make_model's model, each Linear and the whole fully_shard-ed (FSDP2) over all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -242,6 +235,19 @@ def fsdp2(
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp2(
+    rank: int,
+    world: int,
+    device: str,
+    scaler: str,
+    opt: str,
+    clip: float | None = None,
+    poison_value: float = INF,
+):
+    model = fsdp2_model(device, world)
     optimizer = make_opt(opt, model.parameters())
     sc = make_scaler(scaler, device)
     original = torch._amp_foreach_non_finite_check_and_unscale_
@@ -393,15 +399,7 @@ def fsdp2_islands(rank: int, world: int, device: str):
     """Scale islands on an FSDP2 model (each Linear and the model fully_shard-ed): the pass
     takes the islands' DTensor gradients as their local shards, each by its island's factor;
     with found_inf_group every rank holds the same factors and the same parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(torch.device(device).type, (world,))
-    model = make_model(device)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_model(device, world)
     optimizer = make_opt("sgd", model.parameters())
     dt = torch.device(device).type
     sc = ampfused.GradScaler(dt, policy="headroom", islands=["0"], found_inf_group=dist.group.WORLD)

@@ -126,6 +126,18 @@ class Exactness:
             self.ref_scaler.unscale_(ref_opt)
         assert_same(grads(self.model), grads(self.ref), "unscaled gradients")
 
+    def iterations(self, seeds: tuple[int, ...]) -> None:
+        """A full iteration per seed (the factors hold across the updates between them):
+        factors forced, backward, scaled and unscaled gradients and the step compared."""
+        for seed in seeds:
+            self.begin()
+            self.backward(seed)
+            self.check_scaled()
+            self.unscale()
+            self.step()
+            self.model.zero_grad(set_to_none=True)
+            self.ref.zero_grad(set_to_none=True)
+
     def step(self) -> None:
         """Step, update, and compare the parameters."""
         for opt, ref_opt in zip(self.opts, self.ref_opts, strict=True):
@@ -317,14 +329,7 @@ def sequential_net() -> nn.Module:
 def test_exact_gradients(make: Callable, islands: list[str], factors: dict) -> None:
     torch.manual_seed(0)
     run = Exactness(make(), islands, factors, mse)
-    for seed in (1, 2):  # (two iterations: the factors hold across an update)
-        run.begin()
-        run.backward(seed)
-        run.check_scaled()
-        run.unscale()
-        run.step()
-        run.model.zero_grad(set_to_none=True)
-        run.ref.zero_grad(set_to_none=True)
+    run.iterations((1, 2))
 
 
 class SameTwice(nn.Module):
@@ -361,14 +366,7 @@ def test_exact_when_an_island_returns_a_tensor_twice(leaf: bool) -> None:
     """One factor per tensor: an output holding the same tensor twice is not scaled twice."""
     torch.manual_seed(0)
     run = Exactness(TwiceOut(leaf), ["blk"], {"blk": 16.0}, mse)
-    for seed in (1, 2):
-        run.begin()
-        run.backward(seed)
-        run.check_scaled()
-        run.unscale()
-        run.step()
-        run.model.zero_grad(set_to_none=True)
-        run.ref.zero_grad(set_to_none=True)
+    run.iterations((1, 2))
 
 
 def test_a_container_islands_last_child_is_traced_at_the_islands_scale() -> None:
@@ -411,14 +409,7 @@ def test_exact_under_activation_checkpointing(islands: list[str]) -> None:
     hooks again, and each gradient is still scaled once: exact against torch's scaler."""
     torch.manual_seed(0)
     run = Exactness(Checkpointed(), islands, {islands[0]: 64.0}, mse)
-    for seed in (1, 2):
-        run.begin()
-        run.backward(seed)
-        run.check_scaled()
-        run.unscale()
-        run.step()
-        run.model.zero_grad(set_to_none=True)
-        run.ref.zero_grad(set_to_none=True)
+    run.iterations((1, 2))
 
 
 def test_exact_accumulation_over_two_backward_passes() -> None:

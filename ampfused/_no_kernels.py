@@ -39,7 +39,7 @@ _POLICY_DEFAULTS = {
     "allow_fp16": False,
     "found_inf_group": _dist.NO_GROUP,
     "policy": "torch",
-    "headroom": 4.0,
+    "headroom": "learned",
     "islands": None,
 }
 

@@ -5,7 +5,8 @@ int32 tensor on the scale's device (``ScalerState`` in csrc/unscale_math.h)::
 
     [0] scale (float32 bits)   [1] growth tracker   [2] hysteresis left
     [3] steps  [4] skipped_steps  [5] consecutive_skips  [6] growths  [7] backoffs  [8] floor_hits
-    [9] the iteration's measured magnitude (float32 bits)   [10..25] the headroom history
+    [9] the iteration's measured magnitude (float32 bits)   [10..27] the headroom policy's
+    ceiling, since_backoff and history   [28] its learned margin (float32 bits)
 
 ``GradScaler._scale`` and ``_growth_tracker`` are views of elements 0 and 1, so one copy
 commits the whole update.  The fused pass computes the update torch's ``update()`` would make
@@ -48,13 +49,14 @@ HYSTERESIS_LEFT = ops.STATE_FIELDS.index("hysteresis_left")
 CONSECUTIVE_SKIPS = ops.STATE_FIELDS.index("consecutive_skips")
 FLOOR_HITS = ops.STATE_FIELDS.index("floor_hits")
 MAGNITUDE = ops.STATE_FIELDS.index("magnitude")
-CEILING = ops.STATE_FIELDS.index("ceiling")  # then since_backoff and the caps, to the end
+CEILING = ops.STATE_FIELDS.index("ceiling")  # then since_backoff, the caps and the margin
 # steps, skipped_steps, consecutive_skips: what update(new_scale) advances
 ITERATION_COUNTERS = slice(ops.STATE_FIELDS.index("steps"), CONSECUTIVE_SKIPS + 1)
 COUNTERS = slice(HYSTERESIS_LEFT, FLOOR_HITS + 1)  # hysteresis left and the counters
 COUNTER_NAMES = ops.STATE_FIELDS[HYSTERESIS_LEFT + 1 : FLOOR_HITS + 1]  # counters()'s keys
 POLICIES = ("torch", "headroom")
-DEFAULT_HEADROOM = 4.0
+DEFAULT_HEADROOM = 4.0  # a fixed headroom's default, and the most a learned margin takes
+LEARNED = "learned"  # headroom="learned": the margin learned up to DEFAULT_HEADROOM
 HEADROOM_START = 1.0  # the headroom policy's first scale where init_scale is torch's default
 
 
@@ -229,8 +231,8 @@ def _check_choice(where: str, name: str, value: Any, choices: tuple, about: str 
 
 
 def check_headroom(where: str, policy: Any, headroom: Any) -> float:
-    """The headroom factor as the kernels take it (0.0: torch's rule), or the exception naming
-    the argument."""
+    """The headroom factor as the kernels take it (0.0: torch's rule; negative: "learned", a
+    margin learned up to DEFAULT_HEADROOM), or the exception naming the argument."""
     _check_choice(
         where,
         "policy",
@@ -238,13 +240,14 @@ def check_headroom(where: str, policy: Any, headroom: Any) -> float:
         POLICIES,
         " ('torch' is torch's rule, 'headroom' moves the scale by measured magnitudes)",
     )
-    if headroom is None:  # (the headroom property's value under torch's rule)
-        headroom = DEFAULT_HEADROOM
+    if headroom is None or headroom == LEARNED:  # (None: the property under torch's rule)
+        return -DEFAULT_HEADROOM if policy == "headroom" else 0.0
     if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real):
         raise TypeError(
-            f"{where}: headroom must be a float from 1 to 65504 (how many times below float16's "
-            f"largest value the headroom policy keeps the largest measured magnitude); got "
-            f"{headroom!r} ({type(headroom).__name__})"
+            f"{where}: headroom must be 'learned' (a margin learned from how the magnitudes move)"
+            f" or a float from 1 to 65504 (how many times below float16's largest value the "
+            f"headroom policy keeps the largest measured magnitude); got {headroom!r} "
+            f"({type(headroom).__name__})"
         )
     if not 1.0 <= float(headroom) <= 65504.0:
         raise ValueError(
@@ -360,7 +363,8 @@ class Checkpoint(NamedTuple):
     policy: Policy | None
     counters: list[int] | None
     headroom: float | None = None  # the headroom factor (0.0: torch's rule); None: not saved
-    history: list[float] | None = None  # the headroom policy's caps; None: not saved
+    # the headroom policy's [ceiling, since_backoff, *caps, margin]; None: not saved
+    history: list[float] | None = None
 
 
 def read_checkpoint(
@@ -449,21 +453,24 @@ def _read_extra(
     headroom = history = None
     if "headroom" in entry:  # (0.0: torch's rule)
         value = entry["headroom"]
-        zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+        zero = type(value) in (int, float) and value == 0
         headroom = 0.0 if zero else check_headroom(f"{where}['headroom']", "headroom", value)
     if any(key in entry for key in HEADROOM_KEYS):
         history = _read_headroom_state(where, entry)
     return policy, counters, headroom, history
 
 
-HEADROOM_KEYS = ("ceiling", "since_backoff", "history")
-# [ceiling, since_backoff, *caps] of a fresh start: no ceiling, no backoff yet, no cap.
-FRESH_HEADROOM_STATE = (_INF, 2**31 - 1, *(_INF,) * HISTORY_LEN)
+HEADROOM_KEYS = ("ceiling", "since_backoff", "history")  # (and "margin", since it is learned)
+# [ceiling, since_backoff, *caps, margin] of a fresh start: no ceiling, no backoff yet, no cap,
+# no margin learned.
+FRESH_HEADROOM_STATE = (_INF, 2**31 - 1, *(_INF,) * HISTORY_LEN, 0.0)
 
 
 def _read_headroom_state(where: str, entry: dict) -> list:
-    """The headroom policy's state in a checkpoint: [ceiling, since_backoff, *caps], the
-    scales positive float32s (+inf: none), since_backoff an int32 count."""
+    """The headroom policy's state in a checkpoint: [ceiling, since_backoff, *caps, margin],
+    the ceiling a positive float32 (+inf: none), the caps nonzero float32s (negative: an
+    overflow's bound), since_backoff an int32 count, the margin a float32 from 0 (none learned,
+    as in checkpoints from before it was learned) to 65504."""
     missing = [key for key in HEADROOM_KEYS if key not in entry]
     if missing:
         raise KeyError(
@@ -477,12 +484,24 @@ def _read_headroom_state(where: str, entry: dict) -> list:
             f"scale caps, as GradScaler.state_dict() writes it); got {caps!r}"
         )
     out: list = []
-    for name, v in (("ceiling", entry["ceiling"]), *(("history", c) for c in caps)):
+    margin = entry.get("margin", 0.0)
+    values = (("ceiling", entry["ceiling"]), *(("history", c) for c in caps), ("margin", margin))
+    for name, v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{where}[{name!r}] must hold floats; got {v!r} ({type(v).__name__})")
-        if not f32(float(v)) > 0:
-            raise ValueError(f"{where}[{name!r}] must hold positive floats (inf: none); got {v!r}")
-        out.append(f32(float(v)))
+        v = f32(float(v))
+        if name == "ceiling" and not v > 0:
+            raise ValueError(f"{where}['ceiling'] must be a positive float (inf: none); got {v!r}")
+        if name == "history" and (v == 0 or math.isnan(v)):
+            raise ValueError(
+                f"{where}['history'] must hold nonzero floats (inf: none, negative: an overflow's "
+                f"bound); got {v!r}"
+            )
+        if name == "margin" and not 0 <= v <= 65504:
+            raise ValueError(
+                f"{where}['margin'] must be a float from 0 (none learned) to 65504; got {v!r}"
+            )
+        out.append(v)
     since = entry["since_backoff"]
     if type(since) is not int or not 0 <= since <= 2**31 - 1:
         raise TypeError(
@@ -491,6 +510,14 @@ def _read_headroom_state(where: str, entry: dict) -> list:
         )
     out.insert(1, since)
     return out
+
+
+def headroom_bits(values: Any) -> list[int]:
+    """[ceiling, since_backoff, *caps, margin] as the state holds them (int32, the floats as
+    bits); a list of before the margin (a pickle) is read with none learned."""
+    ceiling, since, *rest = values
+    rest = rest if len(rest) > HISTORY_LEN else [*rest, 0.0]
+    return [_bits(ceiling), since, *map(_bits, rest)]
 
 
 # ----------------------------------------------------------------------------- the state
@@ -635,16 +662,15 @@ class ScaleState:
     def headroom_bits_at_init(self) -> list[int]:
         """The ceiling, since_backoff and the caps as the state holds them (int32, the floats
         as bits), for the lazy init (no tensor read)."""
-        ceiling, since, *caps = self.init_history or FRESH_HEADROOM_STATE
-        return [_bits(ceiling), since, *map(_bits, caps)]
+        return headroom_bits(self.init_history or FRESH_HEADROOM_STATE)
 
     def history(self) -> list:
-        """The headroom policy's state: [ceiling, since_backoff, *caps in slot order] (a sync
-        once the state exists); +inf: none."""
+        """The headroom policy's state: [ceiling, since_backoff, *caps in slot order, margin]
+        (a sync once the state exists); +inf: none."""
         if self.tensor is None:
             return list(self.init_history or FRESH_HEADROOM_STATE)
-        ceiling, since, *caps = self.tensor[CEILING:].tolist()  # (one device-to-host copy)
-        return [_float(ceiling), since, *map(_float, caps)]
+        ceiling, since, *rest = self.tensor[CEILING:].tolist()  # (one device-to-host copy)
+        return [_float(ceiling), since, *map(_float, rest)]
 
     def magnitude(self) -> float:
         """The last committed iteration's measured magnitude (+inf: it found inf/NaN, 0: none
@@ -796,7 +822,7 @@ class ScaleState:
         """state_dict()["ampfused"]: the policy, hysteresis left, the counters and the headroom
         policy's factor and history (a sync)."""
         left, *counts = self.counter_values()
-        ceiling, since_backoff, *caps = self.history()
+        ceiling, since_backoff, *caps, margin = self.history()
         return {
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
@@ -804,10 +830,11 @@ class ScaleState:
             "at_min_scale": self.at_min_scale,
             "hysteresis_left": left,
             **dict(zip(COUNTER_NAMES, counts, strict=True)),
-            "headroom": self.headroom,
+            "headroom": LEARNED if self.headroom < 0 else self.headroom,
             "ceiling": ceiling,
             "since_backoff": since_backoff,
             "history": caps,
+            "margin": margin,
         }
 
     def load(
@@ -859,5 +886,6 @@ class ScaleState:
         policy = tuple(values.get(k, d) for k, d in zip(cls.SNAPSHOT_KEYS, defaults, strict=True))
         state = cls(policy, values.get("_headroom", 0.0))  # type: ignore[arg-type]
         state.init_counters = values.get("_init_counters")
-        state.init_history = values.get("_init_history")
+        history = values.get("_init_history")  # (without a margin: pickled before it)
+        state.init_history = None if history is None else [*history, 0.0][: 3 + HISTORY_LEN]
         return state

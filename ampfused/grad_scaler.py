@@ -217,7 +217,7 @@ class GradScaler(torch.amp.GradScaler):
             ``"headroom"``: the pass also measures the largest finite magnitude of the scaled
             gradients (and, under ``watch(model, activations=True)``, of the traced float16
             activation gradients), and the scale moves to keep the largest of the last 16
-            iterations ``headroom`` times below float16's largest value (65,504): up as soon as
+            iterations a margin below float16's largest value (65,504): up as soon as
             they leave room, down before they overflow.  An overflow still skips the step and
             backs off by backoff_factor, and holds the scale there while it is in the history;
             overflows the measurements miss (a backoff soon after a backoff) set a ceiling,
@@ -227,8 +227,9 @@ class GradScaler(torch.amp.GradScaler):
             docs/loss-scale.md, "A loss scale that reads its headroom".  A rule for float16:
             where the gradients (or the traced activations) are bfloat16, which needs no loss
             scale, the first pass says once, in a UserWarning, to use ``scaling=False``.
-        headroom: the factor of the headroom policy (from 1 to 65,504; 4 by default); only
-            with ``policy="headroom"``.
+        headroom: the headroom policy's margin: ``"learned"`` (the default), learned from how
+            far the magnitudes have risen above their recent largest, from sqrt(2) up to 4; or
+            a fixed factor from 1 to 65,504.  Only with ``policy="headroom"``.
         islands: scale islands (:mod:`ampfused.scale_islands`, docs/islands.md): module names
             (as ``model.named_modules()`` gives them), or ``"auto"`` to choose them from the
             first traced iteration; each island's backward runs at the global scale times its
@@ -278,7 +279,7 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16: bool = False,
         found_inf_group: Any = _dist.NO_GROUP,
         policy: str = "torch",
-        headroom: float = _scale_state.DEFAULT_HEADROOM,
+        headroom: float | str = _scale_state.LEARNED,
         islands: Any = None,
     ) -> None:
         check_device(type(self).__name__, device)
@@ -286,7 +287,7 @@ class GradScaler(torch.amp.GradScaler):
         _check_switches(scaling, allow_fp16, min_scale, max_scale, hysteresis)
         headroom_factor = _scale_state.check_headroom(type(self).__name__, policy, headroom)
         islands = check_islands_argument(type(self).__name__, islands, policy, scaling)
-        if policy == "torch" and headroom not in (None, _scale_state.DEFAULT_HEADROOM):
+        if policy == "torch" and headroom not in (None, _scale_state.LEARNED):
             raise ValueError(
                 f"{type(self).__name__}: headroom={headroom!r} acts only with "
                 "policy='headroom'; pass policy='headroom' too, or leave headroom out"
@@ -377,9 +378,10 @@ class GradScaler(torch.amp.GradScaler):
         return "headroom" if self._scale_state.headroom else "torch"
 
     @property
-    def headroom(self) -> float | None:
-        """The headroom policy's factor (None under torch's rule)."""
-        return self._scale_state.headroom or None
+    def headroom(self) -> float | str | None:
+        """The headroom policy's fixed factor, or "learned" (None under torch's rule)."""
+        headroom = self._scale_state.headroom
+        return _scale_state.LEARNED if headroom < 0 else headroom or None
 
     @not_traced_eager
     def magnitude(self) -> float:

@@ -34,7 +34,8 @@ __all__ = [
 # The scaler's int32 state (ScalerState in csrc/unscale_math.h): element 0 holds the float32
 # scale's bits, then the growth tracker, hysteresis left and the counters, in this order, then
 # the headroom policy's: the iteration's measured magnitude and the ceiling (float32 bits), the
-# clean iterations since the last backoff, and HISTORY caps (float32 bits).
+# clean iterations since the last backoff, HISTORY entries (float32 bits: caps, overflows'
+# bounds negated) and the learned margin (float32 bits; 0: none learned).
 HISTORY = 16
 STATE_FIELDS = (
     "scale",
@@ -50,6 +51,7 @@ STATE_FIELDS = (
     "ceiling",
     "since_backoff",
     *(f"history{i}" for i in range(HISTORY)),
+    "margin",
 )
 STATE_SIZE = len(STATE_FIELDS)
 # grad_stats columns (StatField): a header row (scale in force, step, found), then one row per
@@ -212,7 +214,8 @@ def scaler_pass_(
         headroom: 0 for torch's rule; > 0 (from 1 to 65504) the headroom policy: the pass also
             measures the largest finite magnitude of the scaled values into
             ``next_state[magnitude]`` and the update reads it
-            (:func:`ampfused.reference.update_state`).
+            (:func:`ampfused.reference.update_state`); < 0: the same with a margin learned up
+            to ``-headroom``.
         islands, island_inv: scale islands (:mod:`ampfused.scale_islands`): each gradient's
             island (0 for none, k >= 1 for island k; empty: none) and a 1-D float32 tensor on
             the gradients' device with island k's inverse factor 1 / f_k at k - 1.  A gradient

@@ -344,15 +344,19 @@ def clip_grad_norm_(
 
 # ----------------------------------------------------------------------------- the scaler's state
 # GradScaler's state as a list (ops.STATE_FIELDS): [scale, growth_tracker, hysteresis_left, steps,
-# skipped_steps, consecutive_skips, growths, backoffs, floor_hits, magnitude, *history], the
-# scale, the magnitude and the HISTORY caps Python floats holding float32 values, the rest
-# Python ints.  The ops keep it in an int32 tensor (the floats as their bits).
+# skipped_steps, consecutive_skips, growths, backoffs, floor_hits, magnitude, ceiling,
+# since_backoff, *history, margin], the scale, the magnitude, the ceiling, the HISTORY entries
+# and the margin Python floats holding float32 values, the rest Python ints.  The ops keep it in
+# an int32 tensor (the floats as their bits).
 HISTORY = 16
-STATE_SIZE = 12 + HISTORY
+STATE_SIZE = 13 + HISTORY
+MARGIN = 12 + HISTORY
 _FLOAT_FIELDS = {0, 9, 10, *range(12, STATE_SIZE)}
 HALF_MAX = 65504.0
 CEILING_WINDOW = 2 * HISTORY
 BLIND_GROWTH_LIMIT = 65536.0
+MARGIN_LEAST = 1.4142135381698608  # sqrt(2) in float32
+MARGIN_DECAY = 2 ** (-1 / 256)
 _INT32_MAX = 2**31 - 1
 _F32_MAX = 3.4028234663852886e38
 
@@ -395,13 +399,15 @@ def update_state(
       already was above (a clean iteration never lowers the scale).
     * headroom > 0, the headroom policy: ``magnitude`` is the largest finite |scaled gradient| the
       iteration measured (0: none).  The iteration's entry of the history (slot steps % HISTORY)
-      is, after an overflow, the scale it backed off to (+inf where the history's other entries
-      hold no cap: nothing was measured lately, as before the first measured step, so the
-      overflow says nothing about the level the measurements will find); after a clean
-      iteration the cap
+      is, after an overflow, the scale it backed off to, negated (a bound; +inf where the
+      history's other entries hold no cap: nothing was measured lately, as before the first
+      measured step, so the overflow says nothing about the level the measurements will find);
+      after a clean iteration the cap
       ``HALF_MAX * scale / (headroom * magnitude)`` (float64, rounded to float32, at most
       float32's largest finite value; +inf where nothing was measured).  A clean iteration then
-      moves the scale to the lowest cap of the history: up by growth_factor as many times as it
+      moves the scale to the lowest bound of the history (its caps and its overflows' bounds;
+      with a learned margin the caps times ``headroom / margin``, float64, rounded to float32,
+      at most float32's largest finite value): up by growth_factor as many times as it
       stays within it (a growth beyond max_scale held there), else down by backoff_factor until
       it is within it (held at min_scale), at most 64 factors per iteration.  Where the history
       holds no cap and there is no ceiling (nothing measured), it grows by growth_factor each
@@ -414,6 +420,12 @@ def update_state(
       rule grows).  A clean iteration that measures while the history's other entries hold no
       cap forgets the ceiling and the backoff first (both learned from overflows of gradients
       that were not measured).  The tracker counts clean iterations since the last overflow.
+    * headroom < 0: the headroom policy with a learned margin, at most ``-headroom``: after a
+      clean iteration that measured (a finite cap), the margin (the state's last field; 0: none
+      learned, read as the most) becomes ``margin * MARGIN_DECAY``, raised to ``MARGIN_LEAST``
+      times the history's lowest cap of a clean iteration over this cap (how far the magnitude
+      rose above the history's largest), held from MARGIN_LEAST to the most (float64, rounded
+      to float32).  Otherwise the margin stays.
 
     min_scale and max_scale are compared in float32, as the kernels hold them.  The counters
     (int32, wrapping): steps +1 every iteration; skipped_steps +1 and consecutive_skips +1 when
@@ -423,9 +435,11 @@ def update_state(
     """
     state = _full(state)
     scale, tracker, left, steps, skipped, consecutive, growths, backoffs, floor_hits = state[:9]
+    learned, headroom = headroom < 0, abs(headroom)
     ceiling = state[10] if headroom > 0 else math.inf
     since_backoff = state[11]
-    history = list(state[12:])
+    history = list(state[12:MARGIN])
+    margin = state[MARGIN]
     scale = _f32(float(scale))
     low, high = _f32(min_scale), _f32(max_scale)
     new_scale, floor_hit = scale, False
@@ -446,7 +460,7 @@ def update_state(
                 if since_backoff < CEILING_WINDOW or math.isfinite(ceiling):
                     ceiling = min(ceiling, scale)
                 since_backoff = 0
-        cap = new_scale if measured else math.inf
+        cap = -new_scale if measured else math.inf  # (a bound, not a measurement)
     else:
         left = hysteresis
         tracker = _wrap32(tracker + 1)
@@ -458,8 +472,17 @@ def update_state(
             since_backoff = min(since_backoff + 1, _INT32_MAX)
             if growth_interval > 0 and since_backoff % growth_interval == 0:
                 ceiling = _f32(ceiling * growth_factor)  # a probe
-            allowed = min([cap, _f32(ceiling * backoff_factor)])
-            allowed = min([allowed] + [h for j, h in enumerate(history) if j != slot])
+            others = [h for j, h in enumerate(history) if j != slot]
+            lowest_cap = min([h for h in others if h > 0], default=math.inf)
+            allowed = min(cap, lowest_cap)
+            if learned:
+                if math.isfinite(cap):
+                    margin = _learned_margin(margin, lowest_cap, cap, _f32(headroom))
+                in_force = margin if margin > 0 else _f32(headroom)
+                if math.isfinite(allowed):
+                    allowed = min(_f32(allowed * _f32(headroom) / in_force), _F32_MAX)
+            bounds = [abs(h) for h in others if not h > 0]
+            allowed = min([allowed, _f32(ceiling * backoff_factor), *bounds])
         if headroom > 0 and math.isfinite(allowed):
             new_scale = _headroom_move(scale, allowed, growth_factor, backoff_factor, low, high)
         elif headroom > 0 and scale < BLIND_GROWTH_LIMIT:  # nothing measured yet: a fast start
@@ -488,6 +511,7 @@ def update_state(
         ceiling if headroom > 0 else state[10],
         since_backoff,
         *history,
+        margin if headroom > 0 and learned else state[MARGIN],
     ]
 
 
@@ -505,6 +529,13 @@ def _bits_f32(bits: int) -> float:
         .view(torch.float32)
         .item()
     )
+
+
+def _learned_margin(margin: float, lowest_cap: float, cap: float, most: float) -> float:
+    m = (margin if 0 < margin < math.inf else most) * MARGIN_DECAY
+    if math.isfinite(lowest_cap):
+        m = max(m, lowest_cap / cap * MARGIN_LEAST if cap > 0 else math.inf)
+    return _f32(min(max(m, MARGIN_LEAST), most))
 
 
 def _headroom_cap(scale: float, magnitude: float, headroom: float) -> float:
@@ -546,7 +577,7 @@ def _full(state: list[int | float]) -> list[int | float]:
     """A state list of the first nine fields only (scale to floor_hits) completed as a fresh
     state completes them: nothing measured, no ceiling, no backoff yet, no cap."""
     if len(state) == 9:
-        return [*state, 0.0, math.inf, _INT32_MAX] + [math.inf] * HISTORY
+        return [*state, 0.0, math.inf, _INT32_MAX] + [math.inf] * HISTORY + [0.0]
     return list(state)
 
 
@@ -616,10 +647,10 @@ def scaler_update_(
     headroom: float = 0.0,
 ) -> None:
     """The update with found_inf's verdict (nonzero is found, NaN included, as torch's `if
-    (*found_inf)`) and, with headroom > 0, the magnitude next_state holds (+inf there counts as
+    (*found_inf)`) and, with headroom != 0, the magnitude next_state holds (+inf there counts as
     none)."""
     policy = (growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-    bits = _magnitude_bits(next_state) if headroom > 0 else 0
+    bits = _magnitude_bits(next_state) if headroom else 0
     measured = _bits_f32(bits) if bits < _F32_INF_BITS else 0.0
     _update_into(next_state, state, found_inf.item() != 0, policy, headroom, measured)
 
@@ -644,7 +675,7 @@ def scaler_pass_(
 ) -> None:
     """:func:`unscale_update_scale_` over the whole state, by :func:`update_state`; grad_stats
     (when given) receives the header (scale in force, steps so far, found) and the rows of
-    :func:`grad_stats`.  With headroom > 0 the pass measures the magnitude (:func:`magnitude`,
+    :func:`grad_stats`.  With headroom != 0 the pass measures the magnitude (:func:`magnitude`,
     or with grad_stats :func:`stat_magnitude`); with accumulate the iteration's magnitude is the
     largest of it and next_state's (+inf there: an earlier pass found inf/NaN), and the update
     is computed again from state.
@@ -665,7 +696,7 @@ def scaler_pass_(
         return inv * island_inv[k - 1 : k].cpu()
 
     measured = 0.0
-    if headroom > 0 and grad_stats is None:
+    if headroom and grad_stats is None:
         # (an island's at the global scale: its magnitude times its inverse factor)
         factors = [1.0 if k == 0 else float(island_inv[k - 1]) for k in of]  # type: ignore[index]
         measured = max(
@@ -679,7 +710,7 @@ def scaler_pass_(
         rows = [_stat_rows([g], inv_of(k), check_only) for g, k in zip(grads, of, strict=True)]
         if rows:
             grad_stats[1:] = torch.cat(rows).to(grad_stats.device)
-        if headroom > 0 and rows:  # (unscaled values: at the global scale, islands' too)
+        if headroom and rows:  # (unscaled values: at the global scale, islands' too)
             measured = stat_magnitude(torch.cat(rows), float(scale.item()))
     if not check_only:
         for g, k in zip(grads, of, strict=True):

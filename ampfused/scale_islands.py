@@ -57,7 +57,7 @@ from ampfused._scale_state import (
     MAGNITUDE,
     READ_ONLY_PASS,
     STATE_SIZE,
-    _bits,
+    headroom_bits,
 )
 from ampfused.activations import _in_compiled_code, _Scratch
 
@@ -71,9 +71,10 @@ AUTO_GAP = 4
 AUTO_REVIEW = (10, 100, 1000)
 _F32_MAX = torch.finfo(torch.float32).max
 _HALF_MAX = 65504.0
-# An island's headroom is the global one's times this (4 x 16 = 64 by default, at most
-# 65,504): a model holds many islands, each at its own edge, and an island's gradients sit 20
-# binades and more above float16's subnormals, so four binades more below the overflow edge cost
+# An island's headroom is the global one's times this (4 x 16 = 64 by default, at most 65,504;
+# a learned global margin's most times this, fixed): a model holds many islands, each at its
+# own edge, and an island's gradients sit 20 binades and more above float16's subnormals, so
+# four binades more below the overflow edge cost
 # them nothing and make an overflow rarer (the islands question's llama-tiny, its first 100
 # steps, islands="auto": 3 island overflows at an island headroom of 4, 1 at 16, none at 64).
 ISLAND_MARGIN = 16.0
@@ -524,8 +525,7 @@ def fresh_row(scale_bits: int = 0, hysteresis_left: int = 0) -> list[int]:
     """A new island's state row: the global scale (its bits) and hysteresis left; no count, no
     measurement, no history (the global scale's caps are not the island's: its first measured
     step moves it)."""
-    ceiling, since, *caps = FRESH_HEADROOM_STATE
-    row = [0] * CEILING + [_bits(ceiling), since, *map(_bits, caps)]
+    row = [0] * CEILING + headroom_bits(FRESH_HEADROOM_STATE)
     row[0], row[HYSTERESIS_LEFT] = scale_bits, hysteresis_left
     return row
 
@@ -707,8 +707,8 @@ class ScalerIslands:
                     self._install(names, "GradScaler(islands='auto')")
             return
         if self.islands.state is not None and watch.now:
-            *rule, headroom = policy
-            policy = (*rule, min(headroom * ISLAND_MARGIN, _HALF_MAX))
+            *rule, headroom = policy  # (an island's margin is fixed: abs of a learned one's most)
+            policy = (*rule, min(abs(headroom) * ISLAND_MARGIN, _HALF_MAX))
             self.islands.prepare_next(
                 scaler._scale, watch.now, watch.tracer.now, policy, scaler._found_inf_plan
             )

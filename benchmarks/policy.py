@@ -25,7 +25,8 @@ are traced (``scaler.watch(model, activations=True)``): torch's default
 (``torch.amp.GradScaler("cpu")``, torch's own class), ampfused's default (torch's rule: it must
 train bit for bit alike, every step's loss and scale), torch's class with
 ``growth_interval=256`` (metaseq's), ampfused's ``hysteresis=2`` (DeepSpeed's / Megatron's), and
-ampfused's ``policy="headroom"`` untraced and traced.  A policy whose constructor refuses its
+ampfused's ``policy="headroom"`` untraced and traced (its margin learned) and with the margin
+fixed at 4 (``headroom=4.0``).  A policy whose constructor refuses its
 arguments (``policy="headroom"`` before it exists) is "not available" in the table.  One more
 run per task trains in float32 (no autocast, no scaler; it skips the planted-spike steps, as
 every scaler is expected to), the reference for the loss.
@@ -153,15 +154,19 @@ class Policy:
 TORCH = "torch default"
 AMPFUSED = "ampfused default"
 HEADROOM, HEADROOM_TRACED = "headroom", "headroom traced"
+HEADROOM_FIXED = "headroom, fixed 4"
 FLOAT32 = Policy("float32", "float32", about="no autocast, no scaler")
 POLICIES = (
     Policy(TORCH, "torch", about="torch's class and rule"),
     Policy(AMPFUSED, "ampfused", about="torch's rule, fused: must train bit for bit alike"),
     Policy("growth interval 256", "torch", (("growth_interval", 256),), about="metaseq's"),
     Policy("hysteresis 2", "ampfused", (("hysteresis", 2),), about="DeepSpeed's / Megatron's"),
-    Policy(HEADROOM, "ampfused", (("policy", "headroom"),), about="parameter gradients only"),
+    Policy(HEADROOM, "ampfused", (("policy", "headroom"),),
+           about="parameter gradients only, the margin learned"),
     Policy(HEADROOM_TRACED, "ampfused", (("policy", "headroom"),), trace=True,
            about="parameter and traced float16 activation gradients"),
+    Policy(HEADROOM_FIXED, "ampfused", (("policy", "headroom"), ("headroom", 4.0)),
+           about="the margin fixed at 4, the learned margin's most"),
 )  # fmt: skip
 
 

@@ -136,10 +136,11 @@ PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
               hysteresis);
   TORCH_CHECK(!(min_scale > max_scale), "min_scale (", min_scale, ") must not exceed max_scale (",
               max_scale, ")");
-  TORCH_CHECK(headroom == 0.0 || (headroom >= 1.0 && headroom <= 65504.0),
+  const double most = headroom < 0.0 ? -headroom : headroom;  // (< 0: a learned margin)
+  TORCH_CHECK(headroom == 0.0 || (most >= 1.0 && most <= 65504.0),
               "headroom must be 0 (torch's rule) or a factor from 1 to 65504 (how far below "
               "float16's largest finite value the headroom policy keeps the largest measured "
-              "magnitude), got ",
+              "magnitude; negated: the most a learned margin takes), got ",
               headroom);
   PassParams p;
   const int32_t* in = state.const_data_ptr<int32_t>();
@@ -157,7 +158,8 @@ PassParams scaler_params(const at::Tensor& state, const at::Tensor& next_state,
   p.policy.min_scale = static_cast<float>(min_scale);
   p.policy.max_scale = static_cast<float>(max_scale);
   p.policy.hysteresis = static_cast<int32_t>(hysteresis);
-  p.policy.headroom = static_cast<float>(headroom);
+  p.policy.headroom = static_cast<float>(most);
+  p.policy.learned = headroom < 0.0;
   return p;
 }
 

@@ -42,7 +42,8 @@
 //     from state as next_scale/next_growth_tracker are above, by update_scale_state: torch's rule
 //     extended by min_scale/max_scale (a backoff or growth beyond them is held there) and
 //     hysteresis (>= 1; back off on that many consecutive overflowing iterations).  headroom > 0
-//     selects the headroom policy (update_scale_state in unscale_math.h): the pass also measures
+//     selects the headroom policy (update_scale_state in unscale_math.h), headroom < 0 the same
+//     with a margin learned up to -headroom (ScalePolicy::learned): the pass also measures
 //     the largest finite |v| of the scaled values it reads (MagnitudeOf; with grad_stats, from
 //     each item's abs-max times the scale) into next_state[kStateMagnitude] (with accumulate,
 //     the max with what is there: +inf once a pass found inf/NaN), and the update moves the scale
@@ -65,7 +66,7 @@
 //       float max_scale, int hysteresis, float headroom=0.) -> ()
 //     next_state from state and found_inf (nonzero: inf/NaN was found) by the same rule: the
 //     update when the verdict comes from elsewhere (several devices, a found_inf all-reduced).
-//     With headroom > 0 the magnitude is read from next_state[kStateMagnitude] first (where the
+//     With headroom != 0 the magnitude is read from next_state[kStateMagnitude] first (where the
 //     passes, and an all-reduce, left it; +inf there counts as none: found_inf alone decides what
 //     was found).
 //

@@ -270,10 +270,13 @@ enum ScalerState : int {
   // The headroom policy's count of clean iterations since the last overflow that backed the
   // scale off (saturating at INT32_MAX, its value before any).
   kStateSinceBackoff,
-  // kHistory float32 bits: the headroom policy's scale caps (headroom_cap) of the last kHistory
-  // iterations, iteration `steps` at kStateHistory + steps % kHistory; +inf: no cap known.
+  // kHistory float32 bits: the headroom policy's entries of the last kHistory iterations,
+  // iteration `steps` at kStateHistory + steps % kHistory: a clean iteration's scale cap
+  // (headroom_cap), an overflow's bound (the scale it backed off to) negated, +inf: none.
   kStateHistory,
-  kScalerStateSize = kStateHistory + kHistory,
+  // float32 bits: the learned margin in force (ScalePolicy::learned); 0: none learned yet.
+  kStateMargin = kStateHistory + kHistory,
+  kScalerStateSize,
 };
 // Counters are int32 and wrap modulo 2^32 (2^31 steps is years of training).
 AMPFUSED_INLINE int32_t counter_plus(int32_t c, int32_t add) {
@@ -294,6 +297,9 @@ struct ScalePolicy {
   // measured magnitude stays `headroom` times below float16's largest finite value, instead of
   // growing every growth_interval clean steps.  0: torch's rule.
   float headroom = 0.0f;
+  // With the headroom policy: the margin is learned (from kMarginLeast up to `headroom`) from
+  // how far the measured magnitudes have risen above their recent largest (learned_margin).
+  bool learned = false;
 };
 
 // float16's largest finite value: the ceiling the headroom policy keeps its distance from.
@@ -303,6 +309,11 @@ constexpr int32_t kCeilingWindow = 2 * kHistory;
 // Where nothing is measured the headroom policy grows each clean iteration up to this scale
 // (torch's initial scale), then by torch's rule.
 constexpr float kBlindGrowthLimit = 65536.0f;
+// The learned margin's least value, and the factor a measured rise is taken with: sqrt(2)
+// (float32), half a binade.
+constexpr float kMarginLeast = 1.41421354f;
+// The learned margin forgets: times this each measured clean iteration (a binade in 256).
+constexpr double kMarginDecay = 0.9972960560854701;  // 2^(-1/256)
 
 // ---------------------------------------------------------------------------------------------
 // The headroom policy's measurement: the largest finite |v| over the scaled values v a pass
@@ -706,6 +717,28 @@ AMPFUSED_INLINE float headroom_move(float scale, float allowed, const ScalePolic
   return s;
 }
 
+// A history entry's value as a bound on the scale: a cap as it is, an overflow's (negated) as
+// its magnitude.
+AMPFUSED_INLINE float history_bound(float h) { return bits_float(float_bits(h) & 0x7fffffffu); }
+AMPFUSED_INLINE bool history_is_cap(float h) { return h > 0.0f; }
+
+// The learned margin after a measured clean iteration (cap finite): the margin in force
+// (`margin`; 0: none learned yet, the most) times kMarginDecay, raised to kMarginLeast times
+// how far this iteration's magnitude rose above the largest of the history's clean iterations
+// (`lowest_cap`, their lowest cap, over this one's: +inf, none), held from kMarginLeast to
+// `most` (`most` where that is lower).  float64, rounded to float32.
+AMPFUSED_INLINE float learned_margin(float margin, float lowest_cap, float cap, float most) {
+  double m =
+      (margin > 0.0f && !non_finite(margin) ? static_cast<double>(margin) : most) * kMarginDecay;
+  if (!non_finite(lowest_cap)) {
+    const double rise = static_cast<double>(lowest_cap) / cap * kMarginLeast;
+    if (rise > m) m = rise;
+  }
+  if (m < kMarginLeast) m = kMarginLeast;
+  if (m > most) m = most;
+  return static_cast<float>(m);
+}
+
 // torch._amp_update_scale_ (aten/src/ATen/native/cuda/AmpKernels.cu), element for element under
 // the default policy, extended by min_scale, max_scale, hysteresis (apex's
 // update_scale_hysteresis: each overflowing step uses up one of hysteresis_left and the scale
@@ -714,11 +747,15 @@ AMPFUSED_INLINE float headroom_move(float scale, float allowed, const ScalePolic
 // torch's rule (hysteresis 1, no headroom).
 //
 // The headroom policy (p.headroom > 0, with counters): an overflow backs off as above, and its
-// history entry is the scale it backed off to (the scale is held at or below it while the entry
-// is in the history; where the history holds no cap, nothing: see `measured`); a clean
-// iteration's entry is headroom_cap of its measured magnitude, and the scale moves to the lowest
-// cap of the history (headroom_move), growing as soon as every recent iteration leaves room and
-// lowering, with no overflow needed, when one leaves none. An overflow that backs off within
+// history entry is the scale it backed off to, negated (a bound: the scale is held at or below
+// it while the entry is in the history; where the history holds no cap, nothing: see
+// `measured`); a clean iteration's entry is headroom_cap of its measured magnitude, and the scale
+// moves to the lowest bound of the history (headroom_move), growing as soon as every recent
+// iteration leaves room and lowering, with no overflow needed, when one leaves none.  With a
+// learned margin (p.learned) the caps are taken at the margin in force instead of p.headroom
+// (times p.headroom / margin; the overflows' bounds as they are), and each measured clean
+// iteration updates the margin (learned_margin): it rises at once with a magnitude that went
+// beyond the history's largest, and forgets slowly.  An overflow that backs off within
 // kCeilingWindow clean iterations of the last overflow that backed off (the measured magnitudes
 // miss what overflows at that scale: a spike does not come twice in a row) makes its scale the
 // ceiling: the scale stays at most the ceiling times backoff_factor, and every growth_interval
@@ -756,6 +793,7 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
       }
     }
   }
+  float margin = headroom && p.learned ? bits_float(static_cast<uint32_t>(in(kStateMargin))) : 0.0f;
   if (found) {
     *out_tracker = 0;
     hysteresis_left = hysteresis_left > 1 ? hysteresis_left - 1 : 0;
@@ -773,7 +811,7 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
         since_backoff = 0;
       }
     }
-    if (measured) cap = next;
+    if (measured) cap = -next;  // (a bound, not a measurement)
   } else {
     hysteresis_left = p.hysteresis;
     const int32_t successful = tracker + 1;
@@ -790,11 +828,26 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
       if (p.growth_interval > 0 && since_backoff % p.growth_interval == 0) {
         ceiling = static_cast<float>(static_cast<double>(ceiling) * p.growth_factor);  // a probe
       }
-      allowed = cap;
+      float lowest_cap = __builtin_huge_valf();  // of the history's clean iterations
+      float bound = __builtin_huge_valf();       // of its overflows
       for (int j = 0; j < kHistory; ++j) {
         const float h = bits_float(static_cast<uint32_t>(in(kStateHistory + j)));
-        if (j != slot && h < allowed) allowed = h;
+        if (j == slot) continue;
+        if (history_is_cap(h)) {
+          if (h < lowest_cap) lowest_cap = h;
+        } else if (history_bound(h) < bound) {
+          bound = history_bound(h);
+        }
       }
+      allowed = cap < lowest_cap ? cap : lowest_cap;
+      if (p.learned) {
+        if (!non_finite(cap)) margin = learned_margin(margin, lowest_cap, cap, p.headroom);
+        const float in_force = margin > 0.0f ? margin : p.headroom;
+        const double relaxed = static_cast<double>(allowed) * p.headroom / in_force;
+        const float most = bits_float(kFloatExpMask - 1u);
+        if (!non_finite(allowed)) allowed = relaxed > most ? most : static_cast<float>(relaxed);
+      }
+      if (bound < allowed) allowed = bound;
       const float below = static_cast<float>(static_cast<double>(ceiling) * p.backoff_factor);
       if (below < allowed) allowed = below;
     }
@@ -833,6 +886,8 @@ AMPFUSED_INLINE void update_scale_state(float scale, int32_t tracker, const int3
   out[kStateSinceBackoff] = headroom ? since_backoff : in(kStateSinceBackoff);
   for (int j = 0; j < kHistory; ++j) out[kStateHistory + j] = in(kStateHistory + j);
   if (headroom) out[kStateHistory + slot] = static_cast<int32_t>(float_bits(cap));
+  out[kStateMargin] =
+      headroom && p.learned ? static_cast<int32_t>(float_bits(margin)) : in(kStateMargin);
 }
 
 // Writes found_inf, the grad_stats header and, with_update, the pending state.  Called once per

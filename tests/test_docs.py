@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import ampfused
+from ampfused import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -184,10 +185,11 @@ def check_convnet_policies(ns: dict[str, Any], out: str) -> None:
 
 
 def check_headroom(ns: dict[str, Any], out: str) -> None:
-    """The scale moved off its start of 1.0, the magnitude keeps its headroom, nothing skipped
-    (was tests/test_headroom_policy.py's README test)."""
+    """The scale moved off its start of 1.0, the magnitude keeps the learned margin's least
+    headroom (sqrt 2), nothing skipped (was tests/test_headroom_policy.py's README test)."""
     scale, magnitude, skipped = out.split()
-    assert float(scale) > 1.0 and 0 < float(magnitude) <= HALF_MAX / 4 and skipped == "0", out
+    least = HALF_MAX / reference.MARGIN_LEAST
+    assert float(scale) > 1.0 and 0 < float(magnitude) <= least and skipped == "0", out
 
 
 def check_islands(ns: dict[str, Any], out: str) -> None:

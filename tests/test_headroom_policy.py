@@ -75,13 +75,22 @@ def broken(name: str) -> Rule:
         *torch_rule, headroom, magnitude = policy
         if name == "torch interval":  # growth every growth_interval clean steps only
             return reference.update_state(state, found, *torch_rule, 0.0, magnitude)
+        if name == "fixed margin":  # the most, never learned
+            return reference.update_state(state, found, *torch_rule, abs(headroom), magnitude)
+        if name in LEARNING_BREAKS:
+            saved = reference.MARGIN_DECAY, reference._learned_margin
+            reference.MARGIN_DECAY, reference._learned_margin = LEARNING_BREAKS[name]
+            try:
+                return reference.update_state(state, found, *policy)
+            finally:
+                reference.MARGIN_DECAY, reference._learned_margin = saved
         before = reference._full(state)
         slot = H0 + before[3] % reference.HISTORY
         if name == "no history":  # the cap of this iteration alone
-            before = before[:H0] + [INF] * reference.HISTORY
+            before = before[:H0] + [INF] * reference.HISTORY + before[reference.MARGIN :]
         out = reference.update_state(before, found, *policy)
         if name == "no history":
-            out[H0:] = reference._full(state)[H0:]
+            out[H0 : reference.MARGIN] = reference._full(state)[H0 : reference.MARGIN]
             out[slot] = reference.update_state(before, found, *policy)[slot]
         if name == "one growth too many" and out[0] > before[0]:
             out[0] = f32(out[0] * 2.0)
@@ -95,6 +104,8 @@ def broken(name: str) -> Rule:
             out[10:12] = before[10], before[11] + 1  # (the first measurement forgets nothing)
         if name == "every overflow a ceiling" and found and out[0] < before[0]:
             out[10] = min(out[10], before[0])
+        if name == "overflow bound relaxed" and found:  # (recorded as a cap, not a bound)
+            out[slot] = abs(out[slot])
         if name == "ceiling by the tracker" and found and out[0] < before[0]:
             # (the first version: any earlier skip, and the tracker, reset by every overflow)
             if before[4] != 0 and before[1] < reference.CEILING_WINDOW:
@@ -105,8 +116,18 @@ def broken(name: str) -> Rule:
     return rule
 
 
+def _rise_ignored(margin: float, lowest_cap: float, cap: float, most: float) -> float:
+    m = (margin if 0 < margin < INF else most) * reference.MARGIN_DECAY
+    return f32(min(max(m, reference.MARGIN_LEAST), most))
+
+
+# (MARGIN_DECAY, _learned_margin) for the broken rules that learn the margin wrong
+LEARNING_BREAKS = {
+    "margin never forgets": (1.0, reference._learned_margin),
+    "rise ignored": (reference.MARGIN_DECAY, _rise_ignored),
+}
 RULES = [reference_rule, kernel_rule]
-H0 = reference.STATE_SIZE - reference.HISTORY  # the history's first field
+H0 = reference.MARGIN - reference.HISTORY  # the history's first field
 
 
 def simulate(
@@ -250,6 +271,68 @@ def check_unmeasured_overflow_holds_nothing(rule: Rule) -> None:
         assert all(s[10] == INF for s in states[first_measured:]), [s[10] for s in states[:5]]
 
 
+# The learned margin (headroom="learned", the ops' headroom -4): properties of its own, and the
+# properties above that hold for any margin.
+LEARNED = -HEADROOM
+
+
+def check_learned_margin_shrinks_on_steady_gradients(rule: Rule) -> None:
+    """Gradients that wander 1.1x step to step: the margin falls from its most (4) to its
+    least (sqrt 2) within 400 iterations (a binade per 256), so the scale ends a binade above
+    the fixed margin's, with no skip."""
+    need = noisy(1e-3, 7, spread=1.1)
+    learned, skipped, states = simulate(rule, need, 600, headroom=LEARNED)
+    fixed, _, _ = simulate(rule, need, 600)
+    assert not any(skipped), [t for t, s in enumerate(skipped) if s]
+    assert states[-1][reference.MARGIN] < 1.5, states[-1][reference.MARGIN]  # (sqrt 2 and rises)
+    assert min(learned[-100:]) >= 2 * max(fixed[-100:]), (learned[-100:], fixed[-100:])
+
+
+def check_learned_margin_keeps_noisy_gradients_clear(rule: Rule) -> None:
+    """Gradients that jump up to 16x step to step, 600 iterations: each new largest rise
+    raises the margin at once, so the learned margin skips no more than the fixed one (and the
+    fixed one only a few)."""
+    for seed in (1, 8, 9):
+        need = noisy(1e-3, seed, spread=4.0)
+        _, learned, _ = simulate(rule, need, 600, headroom=LEARNED)
+        _, fixed, _ = simulate(rule, need, 600)
+        assert sum(learned) <= sum(fixed) <= 5, (seed, sum(learned), sum(fixed))
+
+
+def check_learned_margin_forgets(rule: Rule) -> None:
+    """300 iterations of gradients jumping 16x, then steady ones: the margin learned from the
+    jumps fades (a binade in 256 clean iterations), so 450 iterations later the scale is where
+    steady gradients alone put it."""
+    noise, calm = noisy(1e-3, 10, spread=4.0), noisy(1e-3, 11, spread=1.05)
+    need = lambda t: noise(t) if t < 300 else calm(t)  # noqa: E731
+    scales, _, states = simulate(rule, need, 900, headroom=LEARNED)
+    steady, _, _ = simulate(rule, calm, 900, headroom=LEARNED)
+    assert states[-1][reference.MARGIN] < 1.5, states[-1][reference.MARGIN]
+    assert scales[-1] == steady[-1], (scales[-1], steady[-1])
+
+
+def check_learned_margin_takes_one_skip_for_a_lasting_rise(rule: Rule) -> None:
+    """Steady gradients (the margin at its least), then a lasting 2x rise: at most one skip,
+    then none (the rise, measured, lifts the margin)."""
+    calm = noisy(1e-3, 12, spread=1.05)
+    need = lambda t: calm(t) * (2.0 if t >= 500 else 1.0)  # noqa: E731
+    _, skipped, states = simulate(rule, need, 800, headroom=LEARNED)
+    assert states[499][reference.MARGIN] < 1.5
+    assert sum(skipped) <= 1 and not any(skipped[510:]), [t for t, s in enumerate(skipped) if s]
+
+
+def check_learned_margin_holds_the_scale_after_a_spike(rule: Rule) -> None:
+    """The spike property at the learned margin: an overflow's bound is not relaxed by the
+    margin (only measured caps are)."""
+    spikes = {450, 700}
+    base = noisy(1e-3, 2, spread=1.1)
+    need = lambda t: base(t) * (1e3 if t in spikes else 1.0)  # noqa: E731
+    scales, skipped, _ = simulate(rule, need, 800, headroom=LEARNED)
+    assert [t for t, s in enumerate(skipped) if s] == sorted(spikes)
+    for t in spikes:
+        assert max(scales[t + 1 : t + reference.HISTORY + 1]) <= scales[t] / 2, scales[t : t + 20]
+
+
 # Each property and the broken rules it must catch.
 PROPERTIES = {
     check_never_grows_past_measured: ["one growth too many"],
@@ -262,13 +345,19 @@ PROPERTIES = {
         "unmeasured overflow held",
         "unmeasured ceiling kept",
     ],
+    check_learned_margin_shrinks_on_steady_gradients: ["fixed margin"],
+    check_learned_margin_keeps_noisy_gradients_clear: ["rise ignored"],
+    check_learned_margin_forgets: ["margin never forgets"],
+    check_learned_margin_holds_the_scale_after_a_spike: ["overflow bound relaxed"],
 }
 BROKEN_CASES = [(check, name) for check, names in PROPERTIES.items() for name in names]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)
 @pytest.mark.parametrize(
-    "check", [*PROPERTIES, check_no_skip_at_startup], ids=lambda c: c.__name__[6:]
+    "check",
+    [*PROPERTIES, check_no_skip_at_startup, check_learned_margin_takes_one_skip_for_a_lasting_rise],
+    ids=lambda c: c.__name__[6:],
 )
 def test_property_holds(check: Callable[[Rule], None], rule: Rule) -> None:
     check(rule)
@@ -280,6 +369,16 @@ def test_property_holds(check: Callable[[Rule], None], rule: Rule) -> None:
 def test_property_fails_on_a_broken_rule(check: Callable[[Rule], None], name: str) -> None:
     with pytest.raises(AssertionError):
         check(broken(name))
+
+
+def test_a_lasting_rise_is_the_learned_margins_price() -> None:
+    """What the learned margin gives up: the lasting 2x rise above costs the fixed margin (4)
+    nothing and the learned one (at sqrt 2 then) its one skip."""
+    calm = noisy(1e-3, 12, spread=1.05)
+    need = lambda t: calm(t) * (2.0 if t >= 500 else 1.0)  # noqa: E731
+    _, learned, _ = simulate(reference_rule, need, 800, headroom=LEARNED)
+    _, fixed, _ = simulate(reference_rule, need, 800)
+    assert ([t for t, s in enumerate(learned) if s], any(fixed)) == ([500], False)
 
 
 def test_startup_fails_from_torchs_initial_scale() -> None:
@@ -305,7 +404,7 @@ def test_ops_rule_equals_reference(seed: int) -> None:
     for bit against reference.update_state, every field every iteration."""
     rng = random.Random(seed)
     policy = random_policy(rng)
-    headroom = rng.choice([HEADROOM, 1.0, 3.5, 65504.0])
+    headroom = rng.choice([HEADROOM, 1.0, 3.5, 65504.0, -HEADROOM, -1.0, -2.5, -65504.0])
     start = max(policy[3], min(policy[4], rng.choice([1.0, 2.0**16, 3.0, 2.0**-20])))
     state = reference.initial_state(start, policy[5])
     for i in range(300):
@@ -418,12 +517,16 @@ class SimulatedRun:
         return scale
 
 
-def test_scaler_follows_the_rule(device: str) -> None:
-    """GradScaler(policy="headroom") over a simulated run: its whole state after every update
-    is the reference rule's, from the policy's start scale (1.0) on."""
+@pytest.mark.parametrize("headroom", ["learned", 4.0, 2.5])
+def test_scaler_follows_the_rule(device: str, headroom: float | str) -> None:
+    """GradScaler(policy="headroom") over a simulated run, its margin learned or fixed: its
+    whole state after every update is the reference rule's, from the policy's start scale
+    (1.0) on."""
     need = lambda t: 1e-3 * (1e3 if t == 30 else 1.0) * (3.0 if t % 7 == 0 else 1.0)  # noqa: E731
-    _, _, want = simulate(reference_rule, need, 60)
-    run = SimulatedRun(ampfused.GradScaler(device, policy="headroom"), device)
+    rule_headroom = LEARNED if headroom == "learned" else headroom
+    _, _, want = simulate(reference_rule, need, 60, headroom=rule_headroom)
+    scaler = ampfused.GradScaler(device, policy="headroom", headroom=headroom)
+    run = SimulatedRun(scaler, device)
     for t in range(60):
         run.step(need(t))
         got = reference.state_to_list(run.scaler._scale_state.tensor)
@@ -436,7 +539,8 @@ def test_scaler_follows_the_rule(device: str) -> None:
 
 def test_constructor_and_properties() -> None:
     s = ampfused.GradScaler("cpu", policy="headroom")
-    assert (s.policy, s.headroom, s.get_scale()) == ("headroom", 4.0, 1.0)
+    assert (s.policy, s.headroom, s.get_scale()) == ("headroom", "learned", 1.0)
+    assert ampfused.GradScaler("cpu", policy="headroom", headroom=4.0).headroom == 4.0
     assert ampfused.GradScaler("cpu", policy="headroom", init_scale=4.0).get_scale() == 4.0
     assert ampfused.GradScaler("cpu", policy="headroom", min_scale=2.0).get_scale() == 2.0
     assert ampfused.GradScaler("cpu", policy="headroom", headroom=2).headroom == 2.0
@@ -450,7 +554,8 @@ def test_constructor_and_properties() -> None:
         ({"policy": "auto"}, ValueError, "policy must be one of 'torch', 'headroom'"),
         ({"policy": None}, TypeError, "policy must be one of"),
         ({"policy": "headroom", "headroom": 0.5}, ValueError, "headroom must be from 1"),
-        ({"policy": "headroom", "headroom": "8"}, TypeError, "headroom must be a float"),
+        ({"policy": "headroom", "headroom": "8"}, TypeError, "headroom must be 'learned'"),
+        ({"policy": "headroom", "headroom": -4.0}, ValueError, "headroom must be from 1"),
         ({"headroom": 2.0}, ValueError, "only with policy='headroom'"),
     ],
 )
@@ -528,7 +633,8 @@ def test_checkpoint_of_torchs_scaler_starts_the_history_afresh() -> None:
         ours.step(1e-3)
     ours.scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=4.0).state_dict())
     assert ours.scaler.policy == "headroom" and ours.scaler.get_scale() == 4.0
-    assert ours.scaler._scale_state.history() == [INF, 2**31 - 1] + [INF] * reference.HISTORY
+    fresh = [INF, 2**31 - 1] + [INF] * reference.HISTORY + [0.0]
+    assert ours.scaler._scale_state.history() == fresh
 
 
 def test_traced_activation_gradients_are_measured() -> None:
@@ -598,7 +704,7 @@ def test_compiled_step_follows_the_rule() -> None:
         for i, (state, _) in enumerate(run):
             after = reference.state_to_list(state)
             found = after[9] == INF
-            want = reference.update_state(before, found, *TORCH, HEADROOM, after[9])
+            want = reference.update_state(before, found, *TORCH, LEARNED, after[9])
             assert same(after, want), (i, after[:12], want[:12])
             before = after
     assert [s[0][0] for s in eager] == [s[0][0] for s in compiled]

@@ -640,7 +640,7 @@ def _rule_case(rng: random.Random) -> tuple[float, list[Any], tuple, float, floa
     hysteresis = rng.choice([1, 1, 2, 3, 5])
     headroom = rng.choice(
         [0.0, 8.0, 10.0, 1.0, 3.5, 1.0 + 99.0 * rng.random(), 1e4 * rng.random() + 1]
-    )
+    ) * rng.choice([1.0, -1.0])  # (< 0: a learned margin, up to -headroom)
     scale = _f32(2.0 ** rng.randint(-30, 40) * rng.choice([1.0, 1.0, 1.0 + rng.random()]))
 
     def near(x: float) -> float:
@@ -648,7 +648,7 @@ def _rule_case(rng: random.Random) -> tuple[float, list[Any], tuple, float, floa
         return _ulps(x, rng.randint(-2, 2)) if 0 < x < 3e38 else x
 
     target = near(scale * growth ** rng.randint(-3, 3))  # a cap near a factor's boundary
-    at_target = near(HALF_MAX * scale / (max(_f32(headroom), 1.0) * target))
+    at_target = near(HALF_MAX * scale / (max(_f32(abs(headroom)), 1.0) * target))
     magnitude = rng.choice(
         [0.0, 1e-30, 3e38, _f32(HALF_MAX * 2.0 ** rng.uniform(-20, 0)), at_target, at_target]
     )
@@ -671,13 +671,22 @@ def _rule_case(rng: random.Random) -> tuple[float, list[Any], tuple, float, floa
         [INF, INF, scale, near(scale), near(scale * growth), near(scale / backoff)]
     )
     history = [
-        rng.choice([INF, INF, INF, target, near(target), scale, near(scale * growth)])
+        rng.choice(
+            [INF, INF, INF, target, near(target), scale, near(scale * growth)]
+            + [-scale, -near(scale * backoff)]  # (an overflow's bound)
+        )
         for _ in range(reference.HISTORY)
     ]
+    # the learned margin: none yet, its least, its most, beside them, or between
+    most = _f32(max(abs(headroom), 1.0))
+    margin = rng.choice(
+        [0.0, 0.0, reference.MARGIN_LEAST, near(reference.MARGIN_LEAST), most, near(most)]
+        + [_f32(1.0 + 3.0 * rng.random())]
+    )
     left = rng.randint(0, hysteresis)  # 0: used up (after a backoff, or hysteresis overflows)
     st = [scale, tracker, left, *counters, 0.0, ceiling, since]
     found = rng.choice([0.0, 0.0, 0.0, 1.0, 2.0, NAN])
-    return found, st + history, policy, headroom, magnitude
+    return found, st + history + [margin], policy, headroom, magnitude
 
 
 def _state_tensor(values: list[Any]) -> torch.Tensor:
@@ -702,7 +711,7 @@ def test_update_rule_on_random_states_near_its_boundaries(host) -> None:  # noqa
     for hysteresis in (1, 2, 3):  # hysteresis used up: overflow after a backoff
         used_up = reference.initial_state(2.0**10, hysteresis)
         used_up[2] = 0
-        for headroom in (0.0, 8.0):
+        for headroom in (0.0, 8.0, -8.0):
             cases.append((1.0, used_up, (2.0, 0.5, 3, -INF, INF, hysteresis), headroom, 0.0))
     magnitude = ops.STATE_FIELDS.index("magnitude")
     for found, st, policy, headroom, measured in cases:
@@ -894,7 +903,7 @@ def test_scaler_update(host) -> None:  # noqa: ANN001
             for hyst in (1, 2):
                 for scale in (2.0**16, 2.0**127, 2.0**-126):
                     for policy in policies:
-                        for headroom in (0.0, 8.0):
+                        for headroom in (0.0, 8.0, -8.0):
                             nxt = torch.full((ops.STATE_SIZE,), -1, dtype=torch.int32)
                             nxt[9:10].view(F32).fill_(3e3)  # the magnitude the passes left
                             args = [torch.tensor([found]), state(scale, tracker, hyst), nxt]

@@ -540,10 +540,11 @@ def test_state_dict_entry(device):
         "backoffs": 0,
         "floor_hits": 0,
         "headroom": 0.0,  # torch's rule
-        # the headroom policy's state: no ceiling, no backoff yet, no cap
+        # the headroom policy's state: no ceiling, no backoff yet, no cap, no margin learned
         "ceiling": INF,
         "since_backoff": 2**31 - 1,
         "history": [INF] * ops.HISTORY,
+        "margin": 0.0,
     }
     for f in FOUNDS[:CUT]:
         loop.step(f)
@@ -619,7 +620,8 @@ GOOD_ENTRY = {
     "headroom": 4.0,
     "ceiling": 2.0**12,
     "since_backoff": 40,
-    "history": [2.0**10] + [INF] * 14 + [2.0**8],
+    "history": [2.0**10] + [INF] * 13 + [-(2.0**9), 2.0**8],  # (negative: an overflow's bound)
+    "margin": 0.0,
 }
 BAD_ENTRIES = [
     ("entry", [1, 2], TypeError, "must be the dict"),
@@ -634,9 +636,12 @@ BAD_ENTRIES = [
     ("max_scale", 1.0, ValueError, "min_scale=2.0 is above max_scale=1.0"),
     ("at_min_scale", "ignore", ValueError, "at_min_scale must be one of"),
     ("headroom", 0.5, ValueError, "['headroom']: headroom must be from 1 to 65504"),
-    ("headroom", "4", TypeError, "['headroom']: headroom must be a float"),
+    ("headroom", "4", TypeError, "['headroom']: headroom must be 'learned' (a margin"),
+    ("headroom", -4.0, ValueError, "['headroom']: headroom must be from 1 to 65504"),
     ("history", [1.0] * 3, TypeError, "['history'] must be a list of 16 floats"),
-    ("history", [-1.0] * 16, ValueError, "['history'] must hold positive floats"),
+    ("history", [0.0] * 16, ValueError, "['history'] must hold nonzero floats"),
+    ("margin", -1.0, ValueError, "['margin'] must be a float from 0 (none learned) to 65504"),
+    ("margin", "2", TypeError, "['margin'] must hold floats"),
     ("ceiling", "big", TypeError, "['ceiling'] must hold floats"),
     ("since_backoff", -1, TypeError, "['since_backoff'] must be an int from 0"),
     ("since_backoff", None, KeyError, "no 'since_backoff' entry"),
@@ -665,6 +670,22 @@ def test_bad_checkpoint_entry_changes_nothing(device, lazy, key, value, error, m
     scaler.load_state_dict(copy.deepcopy(good))  # and the good one loads
     assert scaler.state_dict() == good
     assert scaler.counters()["steps"] == 10
+
+
+def test_checkpoint_from_before_the_learned_margin(device):
+    """A checkpoint written before the margin was learned (no 'margin' entry, a fixed
+    headroom) loads with no margin learned and the fixed headroom; one of the learned margin
+    says so and carries it."""
+    old = {k: v for k, v in GOOD_ENTRY.items() if k != "margin"}
+    scaler = ampfused.GradScaler(device)
+    scaler.load_state_dict({**scaler.state_dict(), "ampfused": old})
+    assert (scaler.policy, scaler.headroom) == ("headroom", 4.0)
+    assert scaler.state_dict()["ampfused"]["margin"] == 0.0
+    learned = {**GOOD_ENTRY, "headroom": "learned", "margin": 2.5}
+    scaler.load_state_dict({**scaler.state_dict(), "ampfused": learned})
+    assert scaler.headroom == "learned"
+    scaler.scale(torch.ones((), device=device))  # (the lazy init holds the loaded margin)
+    assert scaler.state_dict()["ampfused"]["margin"] == 2.5
 
 
 def test_disabled_scalers_checkpoints(device):

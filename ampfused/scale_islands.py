@@ -79,6 +79,10 @@ _HALF_MAX = 65504.0
 # steps, islands="auto": 3 island overflows at an island headroom of 4, 1 at 16, none at 64).
 ISLAND_MARGIN = 16.0
 ENTRY, EXIT = 0, 1  # an island's edges: its outputs' gradients, its inputs' gradients
+# statistics table columns (ops.STAT_FIELDS) that choose() reads
+ABS_MAX = ops.STAT_FIELDS.index("abs_max")
+NON_FINITE = slice(ABS_MAX + 1, ops.STAT_FIELDS.index("nan") + 1)
+SUBNORMAL = ops.STAT_FIELDS.index("subnormal")
 _EDGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = len(ops.STAT_FIELDS)
 _FACTOR_EXPONENT = 100  # factors are kept within 2^-100 .. 2^100
@@ -550,7 +554,10 @@ def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
     """``islands="auto"``: from one iteration's traced backward float16 rows (scaled values),
     the islands to make: every traced leaf module with parameters (a Linear, a convolution, a
     norm) whose largest output gradient sits at least AUTO_GAP binades below the whole model's
-    largest, and whose parameters no other module holds.  A leaf's backward is measured whole
+    largest, whose output gradients held float16 subnormals (values an island's factor would
+    lift: a module whose gradients all sit in float16's normal range loses nothing at the
+    global scale, and an island would cost its hooks for nothing), and whose parameters no
+    other module holds.  A leaf's backward is measured whole
     (its output gradient, traced; its parameters' gradients, in the pass; its input gradient,
     at the island's exit); a block's is not (the functional ops between its modules, an
     attention's scores among them, are not traced), so blocks are islands only by name.
@@ -558,19 +565,26 @@ def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
     the rows' figures).  Embeddings are left out: a weight read outside its module (tied to an
     output projection by a direct call) would get gradients at two scales."""
     values = [
-        (name, table[1 + input_rows :, 1:5])
+        (name, table[1 + input_rows :])
         for name, _, direction, _, table, _, dtype, input_rows in rows
         if direction == "backward" and dtype == torch.float16
     ]
     if not values:
         return []
-    # (per row: the largest finite magnitude, and inf/NaN counts)
-    both = torch.stack([torch.stack((v[:, 0].max(), v[:, 1:].sum())).cpu() for _, v in values])
-    if bool((both[:, 1] > 0).any()):
+    # (per row: the largest finite magnitude, inf/NaN counts and the subnormal count)
+    figures = torch.stack(
+        [
+            torch.stack((v[:, ABS_MAX].max(), v[:, NON_FINITE].sum(), v[:, SUBNORMAL].sum())).cpu()
+            for _, v in values
+        ]
+    ).tolist()
+    if any(non_finite > 0 for _, non_finite, _ in figures):
         return None  # (an overflowing iteration: the next clean one decides)
     tops: dict[str, float] = {}
-    for (name, _), v in zip(values, both[:, 0].tolist(), strict=True):
-        tops[name] = max(tops.get(name, 0.0), v)
+    subnormal: dict[str, float] = {}
+    for (name, _), (top, _, count) in zip(values, figures, strict=True):
+        tops[name] = max(tops.get(name, 0.0), top)
+        subnormal[name] = subnormal.get(name, 0.0) + count
     overall = max(tops.values())
     if not overall > 0:
         return []
@@ -590,6 +604,7 @@ def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
         if (
             params
             and math.log2(overall / top) >= AUTO_GAP
+            and subnormal[name] > 0
             and all(owners[id(p)] == {name} for p in params)
         ):
             chosen.append(name)

@@ -1243,3 +1243,48 @@ def test_checkpoint_and_pickle_before_the_first_pass(islands: object) -> None:
         model2, opt2, _ = fresh(islands, seed=0)
         clone.watch(model2, activations=True)
         assert not any(train(model2, opt2, clone, range(1, 3))[1:])
+
+
+class CalmNet(nn.Module):
+    """head's output gradient is the loss's (of order 1); calm's is the buffer `w` (a sum's
+    gradient), many binades below: a constant one all in float16's normal range, a spread one
+    reaching into its subnormals."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.calm = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+        self.register_buffer("w", w)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.inp(x))
+        return self.head(h), self.calm(h)
+
+
+def calm_loss(model: nn.Module, seed: int) -> torch.Tensor:
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(seed))
+    with torch.autocast("cpu", dtype=F16):
+        out, calm = model(x)
+    return (out.float() ** 2).sum() + (calm.float() * model.w).sum()
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["normal", "subnormal"])
+def test_auto_chooses_only_modules_with_subnormal_gradients(spread: bool) -> None:
+    """calm's output gradients sit 8 binades and more below head's either way; "auto" makes it
+    an island only where they reach float16's subnormals (an island lifts nothing that the
+    global scale keeps normal)."""
+    torch.manual_seed(0)
+    w = torch.full((64, 32), 2.0**-8)
+    if spread:
+        w = w * 2.0 ** -torch.empty(64, 32).uniform_(
+            0, 30, generator=torch.Generator().manual_seed(1)
+        )
+    model = CalmNet(w)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = scaler_with("auto").watch(model, activations=True)
+    skipped = train(model, opt, scaler, range(4), loss_fn=calm_loss)
+    assert not any(skipped), skipped
+    calm = [a for a in scaler.report().activations if a.module == "calm"]
+    assert calm and (sum(a.subnormal for a in calm) > 0) == spread
+    assert list(factors_of(scaler)) == (["calm"] if spread else [])

@@ -312,8 +312,8 @@ constexpr float kBlindGrowthLimit = 65536.0f;
 // The learned margin's least value, and the factor a measured rise is taken with: sqrt(2)
 // (float32), half a binade.
 constexpr float kMarginLeast = 1.41421354f;
-// The learned margin forgets: times this each measured clean iteration (a binade in 256).
-constexpr double kMarginDecay = 0.9972960560854701;  // 2^(-1/256)
+// The learned margin forgets: times this each measured clean iteration (a binade in 512).
+constexpr double kMarginDecay = 0.9986471128909702;  // 2^(-1/512)
 
 // ---------------------------------------------------------------------------------------------
 // The headroom policy's measurement: the largest finite |v| over the scaled values v a pass

@@ -694,11 +694,19 @@ class ScalerIslands:
 
     def active(self, where: str) -> Islands | None:
         """The islands of a pass (None: none yet, "auto" before its choice); a scaler with
-        islands but no watched model is refused."""
+        islands but no watched model is refused, and so is a pass captured in a CUDA graph (the
+        edges' measurements, the traced rows and the islands' update are kept by Python hooks,
+        which a replay does not run: replays would read the capture's tables)."""
         if self.model is None:
             raise RuntimeError(
                 f"{where}: the scaler was made with islands={self.argument!r} but no model is "
                 "watched; call scaler.watch(model, activations=True) before the first step"
+            )
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                f"{where} inside CUDA graph capture with scale islands: the islands' "
+                "measurements and factors are kept by Python hooks that a graph replay does "
+                "not run; capture without islands=, or run the islands' steps eagerly"
             )
         return self.islands
 

@@ -710,6 +710,23 @@ def test_step_refusals_change_nothing(
     assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
 
 
+@pytest.mark.parametrize("call", ["unscale_", "step"])
+def test_cuda_graph_capture_is_refused(call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass with islands while a CUDA graph is being captured (simulated here: no GPU) is
+    refused before anything changes: a replay would not run the islands' Python hooks."""
+    model = Around()
+    opt = sgd(model.parameters())
+    scaler = scaler_with(["block"]).watch(model, activations=True)
+    scaler.scale(mse(model)).backward()
+    before = snapshot(model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(NotImplementedError, match=r"CUDA graph capture with scale islands"):
+        getattr(scaler, call)(opt)
+    assert_untouched(model, before)
+    assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+
+
 def test_subclass_overriding_unscale_grads_is_refused() -> None:
     class AllReducing(ampfused.GradScaler):
         def _unscale_grads_(self, *args: object) -> object:

@@ -17,6 +17,12 @@ import torch
 __all__ = ["ActivationStats", "GradStats", "StepReport"]
 
 LISTED = 5  # parameter offenders printed under a traced origin (all are in report.offenders)
+# The underflow lines' estimate puts a module in an island whose largest gradient sits this many
+# times below float16's largest value (as scale islands do at the default headroom), and says
+# which of its subnormal values that lifts into float16's normal range (exactly: by bits).
+ESTIMATE_HEADROOM = 64.0
+HALF_MAX = 65504.0
+SUBNORMAL_BINADES = 10  # float16's subnormals: 2**-24 .. 2**-14
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,26 @@ class GradStats:
             f"{self.name}: {', '.join(kinds)} of {self.numel} elements "
             f"(largest finite |g| {self.abs_max:.4g})"
         )
+
+
+def island_exponent(abs_max: float) -> int:
+    """k of the largest factor 2**k that keeps `abs_max` ESTIMATE_HEADROOM times below
+    float16's largest value (0 or less: no room)."""
+    return math.floor(math.log2(HALF_MAX / (ESTIMATE_HEADROOM * abs_max))) if abs_max > 0 else 0
+
+
+def island_estimate(abs_max: float) -> str:
+    """What a scale island would do for a float16 gradient whose largest magnitude is
+    `abs_max`: at 2**k, every value at or above 2**-(14 + k) becomes normal, so k >= 10 lifts
+    all of its subnormals (the zeros it lost stay lost: only the next backward, run in the
+    island, keeps them)."""
+    k = island_exponent(abs_max)
+    if k < 1:
+        return ""
+    at = f"; as a scale island at 2^{k} (its largest {ESTIMATE_HEADROOM:g}x below 65,504)"
+    if k >= SUBNORMAL_BINADES:
+        return f"{at}: none of them"
+    return f"{at}: only those below 2**-{14 + k}"
 
 
 @dataclass(frozen=True)
@@ -318,6 +344,7 @@ class StepReport:
             lines.append(
                 f"    {a.module or '<model>'}{call} output gradient: {a.subnormal_share:.2%} of "
                 f"{a.numel - a.zeros - a.non_finite} nonzero (largest |x| {a.abs_max:.4g}{at})"
+                + ("" if island else island_estimate(a.abs_max))
             )
         return lines
 

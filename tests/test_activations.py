@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampfused
+from ampfused.report import ESTIMATE_HEADROOM, island_estimate, island_exponent
 
 transformers = pytest.importorskip("transformers")
 
@@ -503,4 +504,41 @@ def test_report_counts_subnormal_activation_gradients() -> None:
     assert shares == sorted(shares, reverse=True) and shares[0] > 0
     worst = report.underflow[0]
     assert f"{worst.module} output gradient: {worst.subnormal_share:.2%}" in str(report)
+    # the estimate "as a scale island at 2^k", held to the captured gradients: at 2^k exactly
+    # the values below 2**-(14 + k) stay subnormal (none where k >= 10)
+    for a in report.underflow:
+        k = island_exponent(a.abs_max)
+        g = captured[a.module].float().abs()
+        lifted = g * 2.0**k
+        stay = int(((lifted > 0) & (lifted < 2.0**-14)).sum())
+        line = next(x for x in str(report).splitlines() if f"{a.module} output gradient" in x)
+        assert lifted.max() * ESTIMATE_HEADROOM <= 65504.0 < lifted.max() * 2 * ESTIMATE_HEADROOM
+        if k >= 10:
+            assert stay == 0 and line.endswith(
+                f"at 2^{k} (its largest 64x below 65,504): none of them"
+            )
+        elif k >= 1:
+            assert stay == int(((g > 0) & (g < 2.0 ** -(14 + k))).sum())
+            assert line.endswith(f"only those below 2**-{14 + k}"), line
+    assert any(island_exponent(a.abs_max) >= 1 for a in report.underflow)
     assert f"(subnormal): {total_sub / total_nonzero:.2%}" in str(report)
+
+
+@pytest.mark.parametrize("k", [1, 5, 9, 10, 11])
+def test_island_estimate_at_its_edges(k: int) -> None:
+    """The report's "as a scale island at 2^k": float16 values spanning every binade, with the
+    largest just at the estimate's headroom for 2^k; lifted by 2^k exactly those below
+    2**-(14 + k) stay subnormal, none from k = 10 (float16's subnormals span 10 binades)."""
+    top = 65504.0 / ESTIMATE_HEADROOM / 2.0**k
+    g = torch.tensor([2.0**e for e in range(-24, 16)] + [top], dtype=torch.float16)
+    g = g[g.float() <= top]
+    assert island_exponent(float(g.float().max())) == k
+    lifted = g.float() * 2.0**k
+    stay = int(((lifted > 0) & (lifted < 2.0**-14)).sum())
+    text = island_estimate(float(g.float().max()))
+    assert text.startswith(f"; as a scale island at 2^{k} (its largest 64x below 65,504)")
+    if k >= 10:
+        assert stay == 0 and text.endswith("none of them")
+    else:
+        assert stay == int(((g.float() > 0) & (g.float() < 2.0 ** -(14 + k))).sum()) > 0
+        assert text.endswith(f"only those below 2**-{14 + k}")

@@ -221,6 +221,8 @@ def check_underflow(ns: dict[str, Any], out: str) -> None:
     rows = [r for r in printed if len(r) == 4]
     assert [r[0] for r in rows] == [a.module for a in report.underflow] and rows, out
     assert all(int(r[1]) <= int(r[2]) for r in rows) and report.underflow[0].subnormal_share > 0.5
+    # (the page's "as a scale island at 2^k ...: none of them": the example's k is 10 or more)
+    assert "as a scale island at 2^" in out and "below 65,504): none of them" in out, out
 
 
 def check_ops(ns: dict[str, Any], out: str) -> None:

@@ -114,10 +114,13 @@ def found_inf(
     first_table = len(watch.now) if watch is not None else 0
     hooked = type(scaler)._unscale_grads_ is not scaler._pass_base._unscale_grads_
     if isinstance(optimizer, MasterWeights):
-        if scaler._island_set is not None:
+        island_set = scaler._island_set
+        islands = None if island_set is None else island_set.active("GradScaler.unscale_")
+        if islands is not None and check_only and scaler._scaling:
             raise NotImplementedError(
-                "scale islands: a MasterWeights optimizer's pass unscales every gradient by "
-                "the one global scale; leave islands out with MasterWeights"
+                "scale islands: this MasterWeights optimizer unscales its gradients itself by "
+                "the one global scale, but the islands' gradients carry their own factors; "
+                "leave islands out with it"
             )
         if hooked:
             raise NotImplementedError(
@@ -125,21 +128,28 @@ def found_inf(
                 "found_inf), which a MasterWeights optimizer's pass does not call; use "
                 "ampfused.GradScaler itself with MasterWeights"
             )
+        state = scaler._scale_state
+        if islands is not None:
+            islands.ensure_state(scale, state.pass_input(scale, tracker))
         if watch is not None:
-            _masters_statistics(scaler, optimizer, watch, caller_depth)
+            _masters_statistics(scaler, optimizer, watch, caller_depth, islands)
         # Low-precision gradients unscaled into the masters' float32 ones (a check-only pass
         # casts them unscaled, for an optimizer that divides by the scale itself).
         inv = torch.ones((), dtype=torch.float32, device=scale.device)
         if not check_only:
             inv = inv_scale(scaler)
-        state = scaler._scale_state
         if state.headroom and not state.dtypes_seen:
             check_headroom_dtypes(scaler, [{"params": optimizer.model_params}])
-        if state.headroom and watch is not None and watch.tracer is not None:
-            # (the masters' pass measures nothing itself: the update reads the traced one)
+        if state.headroom and watch is not None:
+            # (the masters' pass measures nothing itself: the update reads the traced float16
+            # activation gradients and the statistics pass's float16 parameter gradients)
             nxt = state.pending_buffer(scale.device)
-            state.measured = activation_magnitude(watch.tracer.now, state.magnitude_view(nxt))
-        return agree(scaler, optimizer._grads_to_masters(inv), (), first_table)
+            view = state.magnitude_view(nxt)
+            traced = watch.tracer is not None
+            traced = traced and activation_magnitude(watch.tracer.now, view, islands)
+            state.measured = _masters_magnitude(watch.now[first_table:], scale, view, traced)
+            state.measured |= traced
+        return agree(scaler, optimizer._grads_to_masters(inv, islands), (), first_table)
     island_set = scaler._island_set
     islands = None if island_set is None else island_set.active("GradScaler.unscale_")
     if islands is not None:
@@ -290,13 +300,20 @@ def activation_magnitude(rows: list, into: torch.Tensor, islands: Any = None) ->
     return True
 
 
-def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: int) -> None:
+def _masters_statistics(
+    scaler: Any, optimizer: Any, watch: Any, caller_depth: int, islands: Any = None
+) -> None:
     """Under watch(), the statistics of a MasterWeights optimizer's float16 gradients, unscaled,
     by the model's parameters (the ones watch() names): a read-only pass before the masters'
-    own (which casts and unscales and records nothing), writing only its table."""
+    own (which casts and unscales and records nothing), writing only its table.  With scale
+    islands each gradient is read with its island's inverse factor too (truly unscaled rows,
+    as the fused pass's: the islands' update reads them)."""
     scale, tracker, state = scaler._scale, scaler._growth_tracker, scaler._scale_state
     groups = [{"params": optimizer.model_params}]
     scratch = torch.empty(STATE_SIZE, dtype=torch.int32, device=scale.device)  # (unused update)
+    island_of = island_inv = None
+    if islands is not None:
+        island_of, island_inv = islands.of_groups(optimizer.model_params), islands.inv
     result = _C.fused_pass(
         groups,
         state.pass_input(scale, tracker),
@@ -305,6 +322,9 @@ def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: i
         True,  # allow_fp16: float16 gradients are what the masters' pass reads
         True,  # statistics
         _dist.dtensor_unwrap(),
+        0.0,  # headroom: a read-only pass measures nothing for the rule
+        island_of,
+        island_inv,
     )
     if result is None:
         watch.not_covered("torch's own unscale path", caller_depth + 1)
@@ -314,6 +334,25 @@ def _masters_statistics(scaler: Any, optimizer: Any, watch: Any, caller_depth: i
     for _, _, stats, positions in result:
         if stats is not None:
             watch.now.append((stats, positions, groups))
+
+
+def _masters_magnitude(tables: list, scale: torch.Tensor, into: torch.Tensor, add: bool) -> bool:
+    """The headroom policy's measurement of a MasterWeights optimizer's float16 gradients, from
+    their statistics tables (:func:`_masters_statistics`: truly unscaled abs-max per item) at
+    the global scale (times it, a float64 product rounded to float32, as the fused pass takes
+    it from its rows), into `into` (max-ed with what is there where `add`: the traced
+    activations' magnitude, written this iteration).  Inf/NaN counts as
+    nothing here: the found_inf flag says it.  Returns whether any table was on its device."""
+    tops = [t[1:, 1].max() for t, _, _ in tables if t.device == into.device and t.shape[0] > 1]
+    if not tops:
+        return False
+    top = (torch.stack(tops).max() * scale.double()).float()
+    top = torch.where(torch.isfinite(top), top, 0.0).reshape(1)
+    if add:
+        torch.maximum(into, top, out=into)
+    else:
+        into.copy_(top)
+    return True
 
 
 def agree(scaler: Any, found: Found, mesh_plan: Any, first_table: int, plan_done: int = 0) -> Found:

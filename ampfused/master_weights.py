@@ -247,22 +247,28 @@ class MasterWeights(torch.optim.Optimizer):
                 "nn.Embedding(sparse=True)) in float32"
             )
 
-    def _grads_to_masters(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+    def _grads_to_masters(
+        self, inv_scale: Tensor, islands: Any = None
+    ) -> dict[torch.device, Tensor]:
         """A scaler's pass: every low-precision gradient unscaled by ``inv_scale`` into its
         master's float32 ``.grad`` (:func:`ampfused.ops.unscale_into_`), every other gradient
         in place; a master whose parameter has no gradient gets none.  Returns one found_inf
         per device (float32, 1.0 where an input element was inf/NaN), as ``_unscale_grads_``.
+        `islands`: scale islands (:class:`ampfused.scale_islands.Islands`) or None; a gradient
+        of island k is unscaled by ``inv_scale`` times the island's inverse factor (exact: a
+        power of two), one launch per island and device.
         """
         cast_from: dict[int, tuple[Tensor, int, Tensor, int]] = {}
-        if not is_compiling():  # the common case in C++ (csrc/master_gather.cpp)
+        of = islands.of_groups(self._params) if islands is not None else None
+        if of is None and not is_compiling():  # the common case in C++ (master_gather.cpp)
             found = _C.masters_pass(self._params, self._masters, inv_scale, cast_from)
             if found is not None:
                 self._cast_from = cast_from
                 self._grads_ready = True
                 return dict(found)
-        # device -> (low-precision grads, their master grads, other grads): the walk that
-        # allocates the masters' gradients and takes every layout.
-        work: dict[torch.device, tuple[list, list, list]] = {}
+        # (device, island) -> (low-precision grads, their master grads, other grads): the walk
+        # that allocates the masters' gradients and takes every layout.
+        work: dict[tuple[torch.device, int], tuple[list, list, list]] = {}
         strided = torch.strided
         for i, (p, m) in enumerate(zip(self._params, self._masters, strict=True)):
             g = p.grad
@@ -270,10 +276,11 @@ class MasterWeights(torch.optim.Optimizer):
                 if m is not p:
                     m.grad = None
                 continue
+            key = (g.device, of[i] if of is not None else 0)
             if m is p:
                 if g.is_sparse:  # as torch's scaler: the values (float32: no coalescing)
                     g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
-                work.setdefault(g.device, ([], [], []))[2].append(g)
+                work.setdefault(key, ([], [], []))[2].append(g)
                 continue
             if g.layout is not strided:
                 self._check_layout(i, g)
@@ -285,18 +292,27 @@ class MasterWeights(torch.optim.Optimizer):
             # The master's version is not recorded (-1): after a scaler's pass, step() checks
             # only the model's side (_check_unchanged_since_pass).
             cast_from[i] = (g, g._version, out, -1)
-            lows, outs, _ = work.setdefault(g.device, ([], [], []))
+            lows, outs, _ = work.setdefault(key, ([], [], []))
             lows.append(src)
             outs.append(out)
-        found = {}
-        for device, (lows, outs, others) in work.items():
-            flag = torch.zeros((), dtype=torch.float32, device=device)
+        found: dict[torch.device, Tensor] = {}
+        for (device, k), (lows, outs, others) in work.items():
+            flag = found.get(device)
+            if flag is None:
+                flag = found[device] = torch.zeros((), dtype=torch.float32, device=device)
             inv = inv_scale.to(device, non_blocking=True)
+            if k:
+                if islands.inv.device != device:
+                    raise NotImplementedError(
+                        f"scale islands: a gradient of island {islands.names[k - 1]!r} is on "
+                        f"{device}, the islands' factors on {islands.inv.device}; islands need "
+                        "the model on one device"
+                    )
+                inv = inv * islands.inv[k - 1]
             if lows:
                 ops.unscale_into_(lows, outs, flag, inv)
             if others:
                 ops.non_finite_check_and_unscale_(others, flag, inv)
-            found[device] = flag
         self._cast_from = cast_from
         self._grads_ready = True
         return found

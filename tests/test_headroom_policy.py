@@ -777,3 +777,30 @@ def test_bfloat16_gradients_warn_once(make: str, watch: dict) -> None:
 def test_float16_gradients_do_not_warn() -> None:
     assert _bf16_steps("float16 autocast", activations=True) == []
     assert _bf16_steps("bfloat16 autocast") == []  # (float32 gradients, nothing traced: silent)
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_master_weights_under_watch_measure_their_float16_gradients(activations: bool) -> None:
+    """MasterWeights (a float16 model) under watch(): the headroom policy's magnitude is the
+    largest float16 parameter gradient as backward made it (scaled), from the statistics pass
+    (and, traced, at least the activation gradients'); without watch() nothing is measured."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = model.half()
+    opt = ampfused.MasterWeights(torch.optim.SGD(model.parameters(), lr=0.0))
+    scaler = ampfused.GradScaler("cpu", policy="headroom", init_scale=2.0**6)
+    scaler.watch(model, activations=activations)
+    x = torch.randn(32, 8).half()
+    scaler.scale(model(x).float().square().mean()).backward()
+    largest = max(float(p.grad.float().abs().max()) for p in model.parameters())
+    scaler.step(opt)
+    scaler.update()
+    traced = [a.abs_max for a in scaler.report().activations if a.direction == "backward"]
+    want = max([largest, *[t for t in traced if activations]])
+    assert scaler.magnitude() == want and largest > 0, (scaler.magnitude(), largest, traced)
+    plain = ampfused.GradScaler("cpu", policy="headroom", init_scale=2.0**6)
+    opt.zero_grad()
+    plain.scale(model(x).float().square().mean()).backward()
+    plain.step(opt)
+    plain.update()
+    assert plain.magnitude() == 0.0

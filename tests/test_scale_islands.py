@@ -661,7 +661,6 @@ def fused_adam(params: object) -> torch.optim.Optimizer:
 
 NO_WATCH = r"no model is watched; call scaler\.watch\(model, activations=True\)"
 FUSED = r"fused optimizer.*use the optimizer without fused=True, or leave islands out"
-MASTER = r"MasterWeights.*leave islands out with MasterWeights"
 
 
 def sgd(params: object) -> torch.optim.Optimizer:
@@ -680,17 +679,6 @@ def master_weights(params: object) -> torch.optim.Optimizer:
         pytest.param(
             fused_adam, True, "step", NotImplementedError, FUSED, id="fused-step"
         ),  # (unscale_ first: allowed)
-        pytest.param(
-            master_weights, True, "step", NotImplementedError, MASTER, id="master-weights-step"
-        ),
-        pytest.param(
-            master_weights,
-            True,
-            "unscale_",
-            NotImplementedError,
-            MASTER,
-            id="master-weights-unscale_",
-        ),
     ],
 )
 def test_step_refusals_change_nothing(
@@ -725,6 +713,54 @@ def test_cuda_graph_capture_is_refused(call: str, monkeypatch: pytest.MonkeyPatc
         getattr(scaler, call)(opt)
     assert_untouched(model, before)
     assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+
+
+def half_mse(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 6, generator=g).half()
+    y = torch.randn(16, 3, generator=g).half()
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
+def test_master_weights_with_islands_equal_the_run_without(clip: bool) -> None:
+    """A float16 model under MasterWeights with an island at 2^5 and 2^-3 times the global
+    scale: the masters' gradients (unscaled by each island's own factor), the masters and the
+    model after each step equal, bit for bit, those of the same model without islands at the
+    same global scale; the island's measured rows are truly unscaled."""
+    torch.manual_seed(0)
+    model = Around().half()
+    ref = copy.deepcopy(model)
+    opt = master_weights(model.parameters())
+    ref_opt = master_weights(ref.parameters())
+    scaler = scaler_with(["block"], init_scale=2.0**10).watch(model, activations=True)
+    warm_up(scaler, model, half_mse, [opt])
+    for seed, factor in ((1, 2.0**5), (2, 2.0**-3), (3, 2.0**5)):
+        scaler._scale.fill_(2.0**4)  # (every float16 gradient normal at either scale)
+        force(scaler, {"block": factor})
+        ref_scaler = ampfused.GradScaler("cpu", init_scale=scaler.get_scale())
+        for m, s in ((model, scaler), (ref, ref_scaler)):
+            s.scale(half_mse(m, seed)).backward()
+        block = [p.grad for n, p in model.named_parameters() if n.startswith("block.")]
+        want = [p.grad * factor for n, p in ref.named_parameters() if n.startswith("block.")]
+        assert all(torch.equal(a, b) for a, b in zip(block, want, strict=True))
+        for o, s in ((opt, scaler), (ref_opt, ref_scaler)):
+            if clip:
+                s.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(o.master_params, 0.5)
+            s.step(o)
+            s.update()
+        for a, b in zip(opt.master_params, ref_opt.master_params, strict=True):
+            assert torch.equal(a, b) and torch.equal(a.grad, b.grad), seed
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(a, b), seed
+        # the watched statistics are of truly unscaled gradients (the islands' update reads
+        # them): each parameter's largest, as its master's gradient holds it (unclipped)
+        rows = {g.name: g.abs_max for g in scaler.report().grads}
+        for (n, _), m in zip(model.named_parameters(), opt.master_params, strict=True):
+            assert clip or rows[n] == float(m.grad.abs().max()), (seed, n)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
 
 
 def test_subclass_overriding_unscale_grads_is_refused() -> None:
@@ -1305,3 +1341,15 @@ def test_auto_chooses_only_modules_with_subnormal_gradients(spread: bool) -> Non
     calm = [a for a in scaler.report().activations if a.module == "calm"]
     assert calm and (sum(a.subnormal for a in calm) > 0) == spread
     assert list(factors_of(scaler)) == (["calm"] if spread else [])
+
+
+def test_master_weights_islands_rise_with_their_gradients() -> None:
+    """A float16 QuietNet under MasterWeights: the island's factor follows its own measured
+    gradients (the masters' statistics, traced rows, edges) up from 1, with no skipped step."""
+    torch.manual_seed(0)
+    model = QuietNet().half()
+    opt = master_weights(model.parameters())
+    scaler = scaler_with(["quiet"]).watch(model, activations=True)
+    skipped = train(model, opt, scaler, range(8), loss_fn=lambda m, s: f16_loss(m, s))
+    assert not any(skipped), skipped
+    assert factors_of(scaler)["quiet"] > 1.0, factors_of(scaler)

@@ -40,6 +40,7 @@ import torch
 from ampfused import ops
 from ampfused._arguments import check_init_scale
 from ampfused._torch_private import amp_update_scale_, tensor_version
+from ampfused.reference import MARGIN_LEAST
 
 __all__ = ["ScaleState", "Checkpoint", "read_checkpoint", "check_policy", "check_update_arg"]
 
@@ -453,7 +454,7 @@ def _read_extra(
     headroom = history = None
     if "headroom" in entry:  # (0.0: torch's rule)
         value = entry["headroom"]
-        zero = type(value) in (int, float) and value == 0
+        zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
         headroom = 0.0 if zero else check_headroom(f"{where}['headroom']", "headroom", value)
     if any(key in entry for key in HEADROOM_KEYS):
         history = _read_headroom_state(where, entry)
@@ -497,9 +498,10 @@ def _read_headroom_state(where: str, entry: dict) -> list:
                 f"{where}['history'] must hold nonzero floats (inf: none, negative: an overflow's "
                 f"bound); got {v!r}"
             )
-        if name == "margin" and not 0 <= v <= 65504:
+        if name == "margin" and not (v == 0 or MARGIN_LEAST <= v <= 65504):
             raise ValueError(
-                f"{where}['margin'] must be a float from 0 (none learned) to 65504; got {v!r}"
+                f"{where}['margin'] must be 0 (none learned) or a float from sqrt(2) (the least "
+                f"a margin is learned to) to 65504; got {v!r}"
             )
         out.append(v)
     since = entry["since_backoff"]

@@ -287,7 +287,9 @@ class GradScaler(torch.amp.GradScaler):
         _check_switches(scaling, allow_fp16, min_scale, max_scale, hysteresis)
         headroom_factor = _scale_state.check_headroom(type(self).__name__, policy, headroom)
         islands = check_islands_argument(type(self).__name__, islands, policy, scaling)
-        if policy == "torch" and headroom not in (None, _scale_state.LEARNED):
+        # (4.0, the fixed default before the margin was learned, is accepted as it was)
+        keep = (None, _scale_state.LEARNED, _scale_state.DEFAULT_HEADROOM)
+        if policy == "torch" and headroom not in keep:
             raise ValueError(
                 f"{type(self).__name__}: headroom={headroom!r} acts only with "
                 "policy='headroom'; pass policy='headroom' too, or leave headroom out"

@@ -619,7 +619,7 @@ class ScalerIslands:
     """What a GradScaler with ``islands=`` keeps: the argument, the model (from ``watch``),
     the installed :class:`Islands` (for "auto": once chosen), a checkpoint's rows."""
 
-    __slots__ = ("argument", "model", "islands", "loaded", "iterations", "last")
+    __slots__ = ("argument", "model", "islands", "loaded", "iterations", "last", "settled")
 
     def __init__(self, argument: Any) -> None:
         self.argument = argument
@@ -631,6 +631,8 @@ class ScalerIslands:
         self.iterations = 0
         # The last completed iteration's islands and factors (no sync: a copy on the device)
         self.last: tuple[list[str], torch.Tensor] | None = None
+        # "auto" before its choice: the scale of the last iteration it looked at
+        self.settled: float | None = None
 
     def attach(self, where: str, parameters: Any, activations: Any, plan: list) -> None:
         """watch(model, activations=...): the model the islands live in.  Several ranks need
@@ -717,14 +719,20 @@ class ScalerIslands:
         if self.model is None or watch is None or watch.tracer is None:
             return
         if self.islands is None:
-            # ("auto": each of the first AUTO_REVIEW[0] updates may choose, the scale settling
-            # from its start meanwhile; then only at the reviews: a choice costs a sync)
+            # ("auto": each of the first AUTO_REVIEW[0] updates may choose once the scale has
+            # settled from its start (the same as the last iteration's: the rows' subnormals
+            # are then the settled scale's, not the start's); then only at the reviews; a
+            # choice costs a sync)
             if (
                 self.argument == "auto"
                 and watch.tracer.now
                 and watch.now
                 and (self.iterations < AUTO_REVIEW[0] or self.iterations in AUTO_REVIEW)
             ):
+                scale = float(scaler._scale)
+                if scale != self.settled and self.iterations not in AUTO_REVIEW:
+                    self.settled = scale
+                    return
                 names = choose(self.model, watch.tracer.now)
                 if names:
                     self._install(names, "GradScaler(islands='auto')")
@@ -769,7 +777,8 @@ class ScalerIslands:
         1 with fresh histories; the others go on as they were."""
         islands = self.islands
         assert islands is not None and islands.state is not None and self.model is not None
-        names = [n for n in choose(self.model, rows) if n not in islands.names]
+        # (an overflowing iteration chooses nothing: None)
+        names = [n for n in choose(self.model, rows) or [] if n not in islands.names]
         if not names:
             return
         rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
@@ -810,7 +819,9 @@ class ScalerIslands:
             and isinstance(entry.get("names"), list)
             and isinstance(entry.get("states"), list)
             and all(
-                isinstance(r, list) and len(r) == STATE_SIZE and all(type(v) is int for v in r)
+                isinstance(r, list)
+                and len(r) in (STATE_SIZE - 1, STATE_SIZE)  # (- 1: before the learned margin)
+                and all(type(v) is int for v in r)
                 for r in entry["states"]
             )
             and len(entry["states"]) == len(entry["names"])
@@ -822,6 +833,7 @@ class ScalerIslands:
                 f"{type(entry).__name__}"
             )
         names = entry["names"]
+        entry = {**entry, "states": [[*r, 0][:STATE_SIZE] for r in entry["states"]]}
         # ("auto": the checkpoint's choice wins, as a checkpoint's policy does)
         have = list(self.islands.names) if self.islands is not None else None
         if self.argument != "auto":

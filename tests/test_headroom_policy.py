@@ -547,6 +547,8 @@ def test_constructor_and_properties() -> None:
     assert ampfused.GradScaler("cpu", policy="headroom", headroom=2).headroom == 2.0
     t = ampfused.GradScaler("cpu")
     assert (t.policy, t.headroom, t.get_scale()) == ("torch", None, 2.0**16)
+    # (4.0, the fixed default before the margin was learned, is still taken with torch's rule)
+    assert ampfused.GradScaler("cpu", headroom=4.0).policy == "torch"
 
 
 @pytest.mark.parametrize(
@@ -558,6 +560,7 @@ def test_constructor_and_properties() -> None:
         ({"policy": "headroom", "headroom": "8"}, TypeError, "headroom must be 'learned'"),
         ({"policy": "headroom", "headroom": -4.0}, ValueError, "headroom must be from 1"),
         ({"headroom": 2.0}, ValueError, "only with policy='headroom'"),
+        ({"headroom": -4.0}, ValueError, "headroom must be from 1"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, words: str) -> None:

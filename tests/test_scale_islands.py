@@ -1080,13 +1080,14 @@ def test_auto_chooses_inside_the_quiet_block_and_lifts_it() -> None:
     model = QuietNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = scaler_with("auto").watch(model, activations=True)
-    train(model, opt, scaler, range(2))  # (the first iteration at scale 1 measures nothing)
+    # (the first iteration runs at scale 1; auto chooses once the scale stops moving)
+    train(model, opt, scaler, range(3))
     before = subnormal_share(quiet_rows(scaler.report()))
     assert before > 0.3, before  # (the model does what it is for)
     chosen = factors_of(scaler)
     assert chosen, "no island chosen"
     assert all(n == "quiet" or n.startswith("quiet.") for n in chosen), chosen
-    skipped = train(model, opt, scaler, range(2, 8))
+    skipped = train(model, opt, scaler, range(3, 9))
     assert not any(skipped), skipped
     factors = factors_of(scaler)
     assert factors.keys() == chosen.keys()
@@ -1353,3 +1354,54 @@ def test_master_weights_islands_rise_with_their_gradients() -> None:
     skipped = train(model, opt, scaler, range(8), loss_fn=lambda m, s: f16_loss(m, s))
     assert not any(skipped), skipped
     assert factors_of(scaler)["quiet"] > 1.0, factors_of(scaler)
+
+
+def test_auto_reads_subnormals_at_the_settled_scale() -> None:
+    """calm's output gradients, 2**-17, are subnormal at the headroom policy's start (scale
+    1.0) and normal at the scale it settles at: "auto" chooses only once the scale stopped
+    moving, so calm is left alone."""
+    torch.manual_seed(0)
+    model = CalmNet(torch.full((64, 32), 2.0**-17))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = scaler_with("auto").watch(model, activations=True)
+    train(model, opt, scaler, range(12), loss_fn=calm_loss)
+    assert 2.0**-17 * scaler.get_scale() >= 2.0**-14, scaler.get_scale()
+    assert factors_of(scaler) == {}
+
+
+def test_a_review_on_an_overflowing_iteration_chooses_nothing() -> None:
+    """The 10th update, a review, overflows: "auto" chooses nothing then (it raised TypeError
+    out of update()), and the islands go on."""
+    model, opt, scaler = fresh("auto", seed=0)
+    scaler.watch(model, activations=True)
+
+    def loss(m: nn.Module, seed: int) -> torch.Tensor:
+        out = f16_loss(m, seed)
+        return out * 1e30 if seed == 99 else out  # (float16 output gradients overflow)
+
+    train(model, opt, scaler, range(3), loss_fn=loss)
+    chosen = factors_of(scaler)
+    assert chosen, "auto chose no island"
+    train(model, opt, scaler, range(3, 3 + 9 - scaler._island_set.iterations), loss_fn=loss)
+    assert scaler._island_set.iterations == 9
+    assert train(model, opt, scaler, [99], loss_fn=loss) == [True]
+    assert factors_of(scaler).keys() == chosen.keys()
+    assert not any(train(model, opt, scaler, range(100, 103), loss_fn=loss))
+
+
+def test_islands_checkpoint_from_before_the_learned_margin_loads() -> None:
+    """Rows written before the state's margin field (one int shorter) load, with no margin
+    learned."""
+    model, opt, scaler = fresh(["quiet"])
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(3))
+    checkpoint = scaler.state_dict()
+    entry = checkpoint["ampfused_islands"]
+    old = {**entry, "states": [r[:-1] for r in entry["states"]]}
+    model2, opt2, scaler2 = fresh(["quiet"])
+    scaler2.watch(model2, activations=True)
+    scaler2.load_state_dict({**checkpoint, "ampfused_islands": old})
+    assert scaler2.island_factors() == scaler.island_factors()
+    assert scaler2.state_dict()["ampfused_islands"]["states"] == [
+        [*r[:-1], 0] for r in entry["states"]
+    ]

@@ -640,7 +640,8 @@ BAD_ENTRIES = [
     ("headroom", -4.0, ValueError, "['headroom']: headroom must be from 1 to 65504"),
     ("history", [1.0] * 3, TypeError, "['history'] must be a list of 16 floats"),
     ("history", [0.0] * 16, ValueError, "['history'] must hold nonzero floats"),
-    ("margin", -1.0, ValueError, "['margin'] must be a float from 0 (none learned) to 65504"),
+    ("margin", -1.0, ValueError, "['margin'] must be 0 (none learned) or a float from sqrt(2)"),
+    ("margin", 0.5, ValueError, "['margin'] must be 0 (none learned) or a float from sqrt(2)"),
     ("margin", "2", TypeError, "['margin'] must hold floats"),
     ("ceiling", "big", TypeError, "['ceiling'] must hold floats"),
     ("since_backoff", -1, TypeError, "['since_backoff'] must be an int from 0"),
@@ -686,6 +687,16 @@ def test_checkpoint_from_before_the_learned_margin(device):
     assert scaler.headroom == "learned"
     scaler.scale(torch.ones((), device=device))  # (the lazy init holds the loaded margin)
     assert scaler.state_dict()["ampfused"]["margin"] == 2.5
+
+
+def test_torchs_rule_checkpoint_with_a_numpy_zero_headroom(device):
+    """'headroom': 0 written as a NumPy float (a checkpoint passed through NumPy) is torch's
+    rule, as an int or float 0 is."""
+    np = pytest.importorskip("numpy")
+    scaler = ampfused.GradScaler(device)
+    entry = {**GOOD_ENTRY, "headroom": np.float64(0.0)}
+    scaler.load_state_dict({**scaler.state_dict(), "ampfused": entry})
+    assert scaler.policy == "torch"
 
 
 def test_disabled_scalers_checkpoints(device):

@@ -470,8 +470,8 @@ FRESH_HEADROOM_STATE = (_INF, 2**31 - 1, *(_INF,) * HISTORY_LEN, 0.0)
 def _read_headroom_state(where: str, entry: dict) -> list:
     """The headroom policy's state in a checkpoint: [ceiling, since_backoff, *caps, margin],
     the ceiling a positive float32 (+inf: none), the caps nonzero float32s (negative: an
-    overflow's bound), since_backoff an int32 count, the margin a float32 from 0 (none learned,
-    as in checkpoints from before it was learned) to 65504."""
+    overflow's bound), since_backoff an int32 count, the margin a float32: 0 (none learned, as
+    in checkpoints from before it was learned) or from sqrt(2) to 65504."""
     missing = [key for key in HEADROOM_KEYS if key not in entry]
     if missing:
         raise KeyError(
@@ -516,9 +516,8 @@ def _read_headroom_state(where: str, entry: dict) -> list:
 
 def headroom_bits(values: Any) -> list[int]:
     """[ceiling, since_backoff, *caps, margin] as the state holds them (int32, the floats as
-    bits); a list of before the margin (a pickle) is read with none learned."""
+    bits)."""
     ceiling, since, *rest = values
-    rest = rest if len(rest) > HISTORY_LEN else [*rest, 0.0]
     return [_bits(ceiling), since, *map(_bits, rest)]
 
 

@@ -807,3 +807,20 @@ def test_master_weights_under_watch_measure_their_float16_gradients(activations:
     plain.step(opt)
     plain.update()
     assert plain.magnitude() == 0.0
+
+
+def test_pickle_from_before_the_learned_margin_goes_on() -> None:
+    """A scaler pickled before the state had a margin (its history list one shorter) unpickles
+    with none learned and trains on by its fixed headroom, as it did."""
+    scaler = ampfused.GradScaler("cpu", policy="headroom", headroom=4.0)
+    run = SimulatedRun(scaler)
+    for _ in range(3):
+        run.step(1e-3)
+    values = scaler.__getstate__()
+    values["_init_history"] = values["_init_history"][:-1]  # (no margin)
+    old = ampfused.GradScaler.__new__(ampfused.GradScaler)
+    old.__setstate__(values)
+    again = SimulatedRun(pickle.loads(pickle.dumps(old)))
+    assert again.scaler.headroom == 4.0
+    assert again.scaler.state_dict()["ampfused"]["margin"] == 0.0
+    assert again.step(1e-3) == run.step(1e-3)

@@ -145,10 +145,11 @@ def found_inf(
             # activation gradients and the statistics pass's float16 parameter gradients)
             nxt = state.pending_buffer(scale.device)
             view = state.magnitude_view(nxt)
-            traced = watch.tracer is not None
-            traced = traced and activation_magnitude(watch.tracer.now, view, islands)
-            state.measured = _masters_magnitude(watch.now[first_table:], scale, view, traced)
-            state.measured |= traced
+            wrote = watch.tracer is not None and activation_magnitude(
+                watch.tracer.now, view, islands
+            )
+            state.measured = _masters_magnitude(watch.now[first_table:], scale, view, wrote)
+            state.measured |= wrote
         return agree(scaler, optimizer._grads_to_masters(inv, islands), (), first_table)
     island_set = scaler._island_set
     islands = None if island_set is None else island_set.active("GradScaler.unscale_")

@@ -21,7 +21,6 @@ LISTED = 5  # parameter offenders printed under a traced origin (all are in repo
 # times below float16's largest value (as scale islands do at the default headroom), and says
 # which of its subnormal values that lifts into float16's normal range (exactly: by bits).
 ESTIMATE_HEADROOM = 64.0
-HALF_MAX = 65504.0
 SUBNORMAL_BINADES = 10  # float16's subnormals: 2**-24 .. 2**-14
 
 
@@ -68,7 +67,11 @@ class GradStats:
 def island_exponent(abs_max: float) -> int:
     """k of the largest factor 2**k that keeps `abs_max` ESTIMATE_HEADROOM times below
     float16's largest value (0 or less: no room)."""
-    return math.floor(math.log2(HALF_MAX / (ESTIMATE_HEADROOM * abs_max))) if abs_max > 0 else 0
+    return (
+        math.floor(math.log2(torch.finfo(torch.float16).max / (ESTIMATE_HEADROOM * abs_max)))
+        if abs_max > 0
+        else 0
+    )
 
 
 def island_estimate(abs_max: float) -> str:

@@ -42,6 +42,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # (by r
 # (~0.5 us, where torch.ops boxes every argument for ~4 us), else the op itself.
 _SCALER_PASS = torch.ops.ampfused.scaler_pass_.default
 _CHUNK, _FIELDS = ops.CHUNK_SIZE, len(ops.STAT_FIELDS)
+_ZEROS, _SUBNORMAL = ops.STAT_FIELDS.index("zeros"), ops.STAT_FIELDS.index("subnormal")
+assert _SUBNORMAL == _ZEROS + 1  # (read as one slice)
 
 
 def _readable(t: torch.Tensor) -> bool:
@@ -120,6 +122,9 @@ class Tracer:
             )
         self.now: list[Row] = []
         self.last: list[Row] = []
+        # Per device, since watch(): the traced float16 activation gradients' elements, zeros
+        # and subnormals (nonzero, below 2^-14), summed on the device at each iteration's end.
+        self.totals: dict[torch.device, torch.Tensor] = {}
         self._calls: dict[str, int] = {}
         self._scratch: dict[torch.device, _Scratch] = {}
         self._handles = [
@@ -136,8 +141,36 @@ class Tracer:
         self._handles = []
 
     def close_iteration(self) -> None:
+        self._count(self.now)
         self.last, self.now = self.now, []
         self._calls = {}
+
+    def _count(self, rows: list[Row]) -> None:
+        """The iteration's float16 backward rows into :attr:`totals` (a few device operations
+        per device, no sync)."""
+        parts: dict[torch.device, list[torch.Tensor]] = {}
+        elements: dict[torch.device, int] = {}
+        for _, _, direction, _, table, numel, dtype, input_rows in rows:
+            if direction == "backward" and dtype == torch.float16:
+                d = table.device
+                parts.setdefault(d, []).append(table[1 + input_rows :, _ZEROS : _SUBNORMAL + 1])
+                elements[d] = elements.get(d, 0) + numel
+        for d, tables in parts.items():
+            total = self.totals.get(d)
+            if total is None:
+                total = self.totals[d] = torch.zeros(3, dtype=torch.float64, device=d)
+            total[0] += elements[d]
+            total[1:] += torch.cat(tables).sum(0)
+
+    def counts(self) -> tuple[int, int]:
+        """The traced float16 activation gradients since watch(): nonzero elements and, of
+        those, subnormal ones (one copy per device: a sync)."""
+        nonzero = subnormal = 0
+        for total in self.totals.values():
+            elements, zeros, sub = total.tolist()
+            nonzero += int(elements - zeros)
+            subnormal += int(sub)
+        return nonzero, subnormal
 
     # -- hooks
     @not_traced

@@ -435,11 +435,21 @@ class GradScaler(torch.amp.GradScaler):
             held at min_scale), then ``hysteresis_left`` (steps with inf/NaN still tolerated
             before the next backoff).  Zero before the first iteration (unless loaded from a
             checkpoint) and when the scaler is disabled.  int32 on the device: they wrap after
-            2**31 - 1.
+            2**31 - 1.  Under ``watch(model, activations=True)`` also
+            ``activation_grads_nonzero`` and ``activation_grads_subnormal``: the traced float16
+            activation gradients' nonzero elements since that ``watch()``, and of those the
+            ones below float16's smallest normal (2**-14, held with fewer than 11 significant
+            bits), counted on the device by the pass that reads them (this rank's own: not
+            agreed across ranks, not in checkpoints).
         """
         if not self._enabled:
             return dict.fromkeys((*_scale_state.COUNTER_NAMES, "hysteresis_left"), 0)
-        return self._scale_state.counters()
+        counters = self._scale_state.counters()
+        tracer = self._watch.tracer if self._watch is not None else None
+        if tracer is not None:
+            nonzero, subnormal = tracer.counts()
+            counters.update(activation_grads_nonzero=nonzero, activation_grads_subnormal=subnormal)
+        return counters
 
     @not_traced_eager
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

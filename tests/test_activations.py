@@ -460,6 +460,78 @@ def test_island_by_type_and_nested_calls():
 
 
 # ------------------------------------------------------------------------------- underflow
+def test_counters_sum_the_subnormal_activation_gradients_since_watch() -> None:
+    """counters() under watch(activations=True): the traced float16 output gradients' nonzero
+    elements and subnormal ones, summed over the iterations since watch(), equal the counts
+    taken from the gradients themselves; a watch() again starts them afresh; without traced
+    activations the keys are absent."""
+    model = convnet(0)
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(lambda g: captured.append(g.detach().clone()))
+
+    for name in ("conv1", "bn1", "conv2", "head"):  # (every leaf module: all are traced)
+        model.get_submodule(name).register_forward_hook(hook)
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0**-6)  # (subnormal gradients: see below)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    assert "activation_grads_subnormal" not in scaler.counters()
+    scaler.watch(model, activations=True)
+
+    def iterations(seeds: range) -> tuple[int, int]:
+        nonzero = subnormal = 0
+        for seed in seeds:
+            captured.clear()
+            scaler.scale(convnet_loss(model, seed)).backward()
+            scaler.step(opt)
+            scaler.update()
+            for g in captured:
+                if g.dtype == torch.float16:
+                    a = g.float().abs()
+                    nonzero += int((a > 0).sum())
+                    subnormal += int(((a > 0) & (a < 2.0**-14)).sum())
+        return nonzero, subnormal
+
+    nonzero, subnormal = iterations(range(3))
+    assert subnormal > 0  # (the premise)
+    counters = scaler.counters()
+    assert counters["activation_grads_nonzero"] == nonzero
+    assert counters["activation_grads_subnormal"] == subnormal
+    scaler.watch(model, activations=True)
+    nonzero, subnormal = iterations(range(3, 4))
+    counters = scaler.counters()
+    assert (counters["activation_grads_nonzero"], counters["activation_grads_subnormal"]) == (
+        nonzero,
+        subnormal,
+    )
+    scaler.watch(model)
+    assert "activation_grads_subnormal" not in scaler.counters()
+
+    # a float32 output is not counted
+    class Widen(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x.float())
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), Widen(), nn.Linear(16, 4))
+    scaler = ampfused.GradScaler("cpu", init_scale=2.0**-10).watch(net, activations=True)
+    grads: list[torch.Tensor] = []
+    for m in net:
+        m.register_forward_hook(lambda m, a, out: out.register_hook(grads.append) and None)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = net(torch.randn(32, 8)).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(torch.optim.SGD(net.parameters(), lr=0.0))
+    scaler.update()
+    assert {g.dtype for g in grads} == {torch.float16, torch.float32}  # (the premise)
+    half = [g.float().abs() for g in grads if g.dtype == torch.float16]
+    counters = scaler.counters()
+    assert counters["activation_grads_nonzero"] == sum(int((a > 0).sum()) for a in half)
+    assert counters["activation_grads_subnormal"] == sum(
+        int(((a > 0) & (a < 2.0**-14)).sum()) for a in half
+    )
+
+
 def test_report_counts_subnormal_activation_gradients() -> None:
     """The pass counts, per traced module, the float16 output gradients in float16's subnormal
     range (0 < |g| < 2**-14): the report's shares equal counts taken from the gradients

@@ -80,6 +80,12 @@ def compiled_region_active() -> bool:
 # 1.13+.
 current_graph_task_id = torch._C._current_graph_task_id
 
+# The autograd sequence number the next backward node made on this thread will get (nodes made
+# later get larger ones; ``Node._sequence_nr()``, public-ish, reads a node's): a block island
+# (ampfused/scale_islands.py) takes it at its forward's start, and its walk of the graph its
+# forward made stops at nodes made before.  torch._C._autograd._get_sequence_nr, torch 2.0+.
+autograd_sequence_nr = torch._C._autograd._get_sequence_nr
+
 
 # The attributes of a DTensor holding its local shard and its spec (a DTensorSpec, whose
 # ``mesh`` and ``placements`` are public): what ``to_local()`` and ``device_mesh``/``placements``
@@ -95,6 +101,7 @@ __all__ = [
     "amp_update_scale_",
     "compiled_region_active",
     "current_graph_task_id",
+    "autograd_sequence_nr",
     "DTENSOR_LOCAL_ATTR",
     "DTENSOR_SPEC_ATTR",
     "mark_not_traced",

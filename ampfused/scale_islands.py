@@ -15,9 +15,10 @@ a module whose backward runs at the global scale times its own power-of-two fact
   ``islands``/``island_inv``);
 * f follows the headroom rule from the island's own measurements, with its own history: the
   largest traced activation gradient of the modules inside it, its parameters' largest
-  gradient and the gradients crossing its edges, at the island's scale.  An overflow that
-  started inside an island skips the step as any does, backs the island off and holds the
-  global scale (Islands.prepare_next says how it is told apart).  The global scale
+  gradient, the gradients crossing its edges and, in a block, the gradients of the tensors
+  its forward made between its modules (:meth:`Islands._interior`), at the island's scale.
+  An overflow that started inside an island skips the step as any does, backs the island off
+  and holds the global scale (Islands.prepare_next says how it is told apart).  The global scale
   reads every gradient at the global scale (an island's divided by its factor), so it
   moves as it would without islands: an island only moves its own part.
 
@@ -35,7 +36,8 @@ the dtype a part of the model runs in, which covers the forward pass as well and
 speed; scale islands change nothing in the forward pass and cost two multiplies per edge in
 backward.  A float32 island's gradients need no scale island.
 
-``islands="auto"`` chooses from the first traced iteration with no inf/NaN (:func:`choose`).
+``islands="auto"`` chooses quiet leaves and blocks of quiet leaves from a traced iteration with
+no inf/NaN (:func:`choose`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from ampfused._scale_state import (
     STATE_SIZE,
     headroom_bits,
 )
+from ampfused._torch_private import autograd_sequence_nr
 from ampfused.activations import _in_compiled_code, _Scratch
 
 __all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
@@ -71,14 +74,29 @@ AUTO_GAP = 4
 AUTO_REVIEW = (10, 100, 1000)
 _F32_MAX = torch.finfo(torch.float32).max
 _HALF_MAX = 65504.0
-# An island's headroom is the global one's times this (4 x 16 = 64 by default, at most 65,504;
-# a learned global margin's most times this, fixed): a model holds many islands, each at its
-# own edge, and an island's gradients sit 20 binades and more above float16's subnormals, so
-# four binades more below the overflow edge cost
-# them nothing and make an overflow rarer (the islands question's llama-tiny, its first 100
-# steps, islands="auto": 3 island overflows at an island headroom of 4, 1 at 16, none at 64).
+# An island's headroom is the global one's most (4 by default) times this (64 in all, at most
+# 65,504), fixed: a model holds many islands, each at its own edge, each a chance to overflow.
+# Measured on the islands question's runs with islands="auto" (the closing note of issue 36):
+# fixed at 16 in all, llama-tiny's islands overflowed twice in its first 50 steps; narrowing
+# from 64 to 16 over 200 steps, or learned from 64 as the global margin is, once near step 600
+# (and bert-tiny once, narrowing); at 64 neither did, though bert-tiny's worst module then
+# keeps several times more of its activation gradients subnormal.
 ISLAND_MARGIN = 16.0
-ENTRY, EXIT = 0, 1  # an island's edges: its outputs' gradients, its inputs' gradients
+# An island whose largest measured gradient is a float16 subnormal rises as if it were this much
+# larger (prepare_next): to about 1, not to the edge, where values that had flushed inside it
+# could overflow.
+BLIND_RISE = 2.0**10
+_NORMAL_MIN = 2.0**-14
+# an island's edges: its outputs' gradients, its inputs' gradients; and the gradients inside a
+# block island (of the tensors its forward made between its modules: :meth:`Islands._interior`)
+ENTRY, EXIT, INTERIOR = 0, 1, 2
+# Backward nodes of views that keep every value (their input's gradient holds their output's
+# values, rearranged, and is measured where it is made): their gradients are not measured again.
+_VIEWS = "View UnsafeView Transpose T Permute Unsqueeze Squeeze Alias ReshapeAlias Clone Contiguous"
+# (and a parameter's gradient: measured in the pass)
+_SAME_VALUES = frozenset(f"{n}Backward0" for n in _VIEWS.split()) | {
+    "torch::autograd::AccumulateGrad"
+}
 # statistics table columns (ops.STAT_FIELDS) that choose() reads
 ABS_MAX = ops.STAT_FIELDS.index("abs_max")
 NON_FINITE = slice(ABS_MAX + 1, ops.STAT_FIELDS.index("nan") + 1)
@@ -195,9 +213,15 @@ class Islands:
             torch.tensor([p >= 0 for p in self.parent], device=device),
         )
         self._ids: dict[tuple, torch.Tensor] = {}  # island ids on the device, by their values
-        # This iteration's edge statistics: (island, ENTRY or EXIT, dtype, table), in backward
-        # order.
+        # This iteration's edge statistics: (island, ENTRY, EXIT or INTERIOR, dtype, table), in
+        # backward order.
         self.edges: list[tuple[int, int, torch.dtype, torch.Tensor]] = []
+        # The island calls open in the forward pass (innermost last): per call, the autograd
+        # sequence number at its start and the nodes of its input views (its exits); and the
+        # regions of the island calls that ended inside an open one (their outputs' nodes ->
+        # their exits' nodes), which the enclosing block's walk leaves to them.
+        self._open: list[tuple[int, list]] = []
+        self._regions: dict[Any, list] = {}
         self._scratch: _Scratch | None = None
         self._handles = []
         for k, n in enumerate(self.names):
@@ -207,7 +231,9 @@ class Islands:
             )
             # prepend: before a tracer's hook, which then records the island's own scale
             leaf = next(module.children(), None) is None
-            self._handles.append(module.register_forward_hook(self._leaving(k, leaf), prepend=True))
+            self._handles.append(
+                module.register_forward_hook(self._leaving(k, leaf), prepend=True, always_call=True)
+            )
 
     def _check_tied(self, model: torch.nn.Module, where: str) -> None:
         """A parameter an island shares with a module outside it would get the sum of
@@ -235,62 +261,125 @@ class Islands:
         (what leaves the island in backward) is multiplied by the island's 1 / f."""
         scale = functools.partial(self._exit_grad, k)
 
-        def wrap(v: Any) -> Any:
+        def wrap(v: Any, exits: list | None) -> Any:
             if isinstance(v, torch.Tensor):
                 if v.requires_grad and v.is_floating_point():
                     v = v.view_as(v)
                     v.register_hook(scale)
+                    if exits is not None:
+                        exits.append(v.grad_fn)
                 return v
             if type(v) in (tuple, list):
-                return type(v)(wrap(x) for x in v)
+                return type(v)(wrap(x, exits) for x in v)
             if type(v) is dict:
-                return {key: wrap(x) for key, x in v.items()}
+                return {key: wrap(x, exits) for key, x in v.items()}
             return v
 
         def hook(module: Any, args: tuple, kwargs: dict) -> Any:
+            # (the forward hook closes the call; torch.compile traces this hook, and a compiled
+            # graph has no autograd nodes to walk: nothing is kept for the walk there)
+            compiling = torch.compiler.is_compiling()
+            exits: list = []
+            self._open.append((0 if compiling else autograd_sequence_nr(), exits))
             if not torch.is_grad_enabled():
                 return None
-            return wrap(args), wrap(kwargs)
+            kept = None if compiling else exits
+            return wrap(args, kept), wrap(kwargs, kept)
 
         return hook
 
     def _leaving(self, k: int, leaf: bool) -> Any:
-        """The forward hook: the gradient of each output that needs one (what enters the island
-        in backward) is multiplied by the island's f, once per tensor (an output holding a
-        tensor twice gets one factor).  A leaf module's output tensors get the hook themselves
-        (it runs before a tracer's, registered after it); a container's leave as views with
-        the hook, so that it runs before the hooks a traced child put on the same tensor (a
-        module torch.compile then splits one graph more for)."""
-        scale = functools.partial(self._entry_grad, k)
-
-        def wrap(v: Any, views: dict[int, torch.Tensor]) -> Any:
-            if isinstance(v, torch.Tensor):
-                if not (v.requires_grad and v.is_floating_point()):
-                    return v
-                view = views.get(id(v))
-                if view is None:
-                    view = views[id(v)] = v.view_as(v)
-                    view.register_hook(scale)
-                return view
-            if type(v) in (tuple, list):
-                return type(v)(wrap(x, views) for x in v)
-            if type(v) is dict:
-                return {key: wrap(x, views) for key, x in v.items()}
-            return v
+        """The forward hook (always called: it closes the call :meth:`_entering` opened): the
+        gradient of each output that needs one (what enters the island in backward) is
+        multiplied by the island's f, once per tensor (an output holding a tensor twice gets
+        one factor).  A leaf module's output tensors get the hook themselves (it runs before a
+        tracer's, registered after it); a block's leave as views with the hook, so that it
+        runs before the hooks a traced child put on the same tensor (a module torch.compile
+        then splits one graph more for), and its interior is measured (:meth:`_interior`)."""
 
         def hook(module: Any, args: tuple, output: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return None
-            if not leaf:
-                return wrap(output, {})
-            seen = set()
-            for t in _tensors(output):
-                if t.requires_grad and t.is_floating_point() and id(t) not in seen:
-                    seen.add(id(t))
-                    t.register_hook(scale)
-            return None
+            start, exits = self._open.pop() if self._open else (0, [])
+            try:
+                if output is None or not torch.is_grad_enabled():  # (None: its forward raised)
+                    return None
+                return self._leave(k, leaf, output, start, exits)
+            finally:
+                if not self._open:  # (the outermost call ended: no walk needs the regions)
+                    self._regions.clear()
 
         return hook
+
+    def _leave(self, k: int, leaf: bool, output: Any, start: int, exits: list) -> Any:
+        scale = functools.partial(self._entry_grad, k)
+        seen: dict[int, torch.Tensor] = {}
+        if leaf:
+            for t in _tensors(output):
+                if t.requires_grad and t.is_floating_point() and id(t) not in seen:
+                    seen[id(t)] = t
+                    t.register_hook(scale)
+            result = None
+        else:
+            if not torch.compiler.is_compiling():
+                self._interior(k, output, start, exits)
+
+            def wrap(v: Any) -> Any:
+                if isinstance(v, torch.Tensor):
+                    if not (v.requires_grad and v.is_floating_point()):
+                        return v
+                    view = seen.get(id(v))
+                    if view is None:
+                        view = seen[id(v)] = v.view_as(v)
+                        view.register_hook(scale)
+                    return view
+                if type(v) in (tuple, list):
+                    return type(v)(wrap(x) for x in v)
+                if type(v) is dict:
+                    return {key: wrap(x) for key, x in v.items()}
+                return v
+
+            result = wrap(output)
+        if self._open and not torch.compiler.is_compiling():  # (inside an enclosing island's
+            # call: its walk leaves this region to it)
+            for t in seen.values():
+                if t.grad_fn is not None:
+                    self._regions[t.grad_fn] = exits
+        return result
+
+    def _interior(self, k: int, output: Any, start: int, exits: list) -> None:
+        """A block island's interior: the backward nodes its forward made between its modules
+        (an attention's scores and softmax, an activation function), walked from its outputs to
+        its exits, each given a hook that measures the float16 gradient of what it made (at the
+        island's scale: its factor is then bounded by every gradient inside it, not only its
+        modules').  Left out: nodes made before the call (a tensor from outside), the regions of
+        islands nested in it (measured by their own), views that keep every value, and the
+        parameters' (measured in the pass)."""
+        measure = functools.partial(self._interior_grad, k)
+        stop = {id(n) for n in exits}
+        seen: dict[int, Any] = {}  # (the nodes held: an id is not reused while walking)
+        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen or id(node) in stop:
+                continue
+            seen[id(node)] = node
+            inner = self._regions.get(node)
+            if inner is not None:  # (a nested island: on from its exits)
+                stack.extend(n for e in inner for n, _ in e.next_functions)
+                continue
+            if node._sequence_nr() < start:  # (made before the call: outside the island)
+                continue
+            if node.name() not in _SAME_VALUES:
+                node.register_prehook(measure)
+            stack.extend(n for n, _ in node.next_functions)
+
+    @not_traced
+    def _interior_grad(self, k: int, grads: tuple) -> None:
+        if _in_compiled_code():
+            return eager(Islands._interior_grad)(self, k, grads)
+        for g in grads:
+            if g is not None and g.dtype == torch.float16:
+                self._record(k, INTERIOR, g)
+        return None
 
     @not_traced
     def _exit_grad(self, k: int, g: torch.Tensor) -> torch.Tensor:
@@ -415,6 +504,9 @@ class Islands:
         backed off; the step is still skipped) where one started in an island:
         ``self.hold``, which :meth:`hold_global` applies.
 
+        `policy`: the rule's arguments, its headroom the global margin's most (each island's
+        is that times :data:`ISLAND_MARGIN`).
+
         `plan`: the found_inf reductions (group, op) of a distributed run: the islands'
         magnitudes and verdicts are agreed over them (MAX) before the rule reads them, so every
         rank holds the same factors and DDP sums gradients at equal scales."""
@@ -426,10 +518,11 @@ class Islands:
         for table, positions, groups in tables:
             if table.device != dev:
                 continue
-            of = self.of_groups([p for g in groups for p in g["params"]])
-            per_grad = torch.tensor([of[p] for p in positions[:, 0].tolist()], dtype=torch.long)
+            # (positions are on the host: the ids made there, copied once per distinct list)
+            of = torch.tensor(self.of_groups([p for g in groups for p in g["params"]]))
             rows_per_grad = (positions[:, 1] + ops.CHUNK_SIZE - 1) // ops.CHUNK_SIZE
-            ids = self._on_device(tuple(per_grad.repeat_interleave(rows_per_grad).tolist()))
+            ids = of[positions[:, 0]].repeat_interleave(rows_per_grad)
+            ids = ids if dev.type == "cpu" else self._on_device(tuple(ids.tolist()))
             items = table[1:]
             top.scatter_reduce_(0, ids, items[:, 1], "amax")
             param_bad.scatter_add_(0, ids, items[:, 2:5].sum(1))
@@ -438,39 +531,33 @@ class Islands:
         # Per island: its traced modules' backward rows and its edges (float16 rows measure:
         # the headroom rule is float16's), and inf/NaN inside it (its modules, parameters and
         # exit) or arriving at its entry.
-        ids, tops, bads, entry = [], [], [], []
+        # (every row in one table: a handful of operations per iteration, not a few per row)
+        # shape: per table, (island, whether an entry, float16, rows left out, rows read)
+        parts, shape = [], []
         for name, _, direction, _, table, _, dtype, input_rows in rows:
             k = self.island_of_module(name) if direction == "backward" else 0
             if k and table.device == dev:
-                out = table[1 + input_rows :]
-                ids.append(k)
-                tops.append(out[:, 1].max() if dtype == torch.float16 else out.new_zeros(()))
-                bads.append(out[:, 2:5].sum())
-                entry.append(False)
-        inside = param_bad[1:] > 0
+                parts.append(table)
+                shape.append((k, False, dtype == torch.float16, 1 + input_rows, len(table)))
         for k, edge, dtype, table in self.edges:
-            out = table[1:]
-            ids.append(k)
-            top_k = out[:, 1].max() if dtype == torch.float16 else out.new_zeros(())
-            bad_k = out[:, 2:5].sum()
-            if edge == ENTRY:  # (at the island's scale once multiplied: it may overflow there)
-                top_k = top_k * self.edge[k - 1].double()
-                bad_k = bad_k + (top_k > _HALF_MAX).double() * 0.5  # (0.5: grown, not arrived)
-            tops.append(top_k)
-            bads.append(bad_k)
-            entry.append(edge == ENTRY)
+            parts.append(table)
+            shape.append((k, edge == ENTRY, dtype == torch.float16, 1, len(table)))
+        inside = param_bad[1:] > 0
         arrived = torch.zeros(count, dtype=torch.bool, device=dev)
-        if ids:
-            at = self._on_device(tuple(ids))
-            top.scatter_reduce_(0, at, torch.stack(tops), "amax")
-            bad = torch.stack(bads)
-            is_entry = self._on_device(tuple(entry))
+        if parts:
+            at, is_entry, half = self._row_ids(tuple(shape))
+            stats = torch.cat(parts)
+            row_top = torch.where(half, stats[:, 1], 0.0)
+            # (an entry at the island's scale once multiplied: it may overflow there)
+            row_top = torch.where(is_entry, row_top * self.edge.double()[at - 1], row_top)
+            bad = stats[:, 2:5].sum(1)
+            top.scatter_reduce_(0, at, row_top, "amax")
             counts = torch.zeros(count + 1, dtype=torch.float64, device=dev)
             inside |= counts.scatter_add(0, at, torch.where(is_entry, 0.0, bad))[1:] > 0
-            # (an entry overflowing by the island's factor: started inside, 0.5 per such row)
-            grown = torch.where(is_entry, bad - bad.floor(), 0.0)
+            # (an entry overflowing by the island's factor: started inside)
+            grown = (is_entry & (row_top > _HALF_MAX)).double()
             inside |= counts.scatter_add(0, at, grown)[1:] > 0
-            arrived |= counts.scatter_add(0, at, torch.where(is_entry, bad.floor(), 0.0))[1:] > 0
+            arrived |= counts.scatter_add(0, at, torch.where(is_entry, bad, 0.0))[1:] > 0
         # An overflow started in an island where it shows inside and did not arrive at its
         # entry; there the island backs off and the global scale is held.
         if plan:
@@ -480,10 +567,29 @@ class Islands:
         started = inside & ~arrived
         found = started.float()
         self.hold = started.any()
+        # (a largest value in float16's subnormals says little: what flushed to zero inside the
+        # island may be far larger (a block's interior, an edge); read as BLIND_RISE larger,
+        # the island rises to put it near 1, 16 binades below the edge, and measures again)
+        top = torch.where((top > 0) & (top < _NORMAL_MIN), top * BLIND_RISE, top)
         magnitude = top[1:].clamp(max=_F32_MAX).float()
         self.next[:, MAGNITUDE] = magnitude.view(torch.int32)
+        *rule, most = policy
+        headroom = min(most * ISLAND_MARGIN, _HALF_MAX)
         for k in range(count):
-            ops.scaler_update_(found[k], self.state[k], self.next[k], *policy)
+            ops.scaler_update_(found[k], self.state[k], self.next[k], *rule, headroom)
+
+    def _row_ids(self, shape: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row of the tables `shape` describes ((island, entry, float16, rows left out, rows)
+        each): its island (0 for a row left out: a header, an input's), whether an entry's,
+        whether float16's; on the device, made once per shape."""
+        t = self._ids.get(shape)
+        if t is None:
+            if len(self._ids) > 64:
+                self._ids.clear()
+            per_row = [(k * (i >= skip), e, h) for k, e, h, skip, n in shape for i in range(n)]
+            rows = torch.tensor(per_row, dtype=torch.long, device=self.dev)
+            t = self._ids[shape] = (rows[:, 0], rows[:, 1].bool(), rows[:, 2].bool())
+        return t
 
     def _on_device(self, values: tuple) -> torch.Tensor:
         """`values` as a tensor on the islands' device, made once per distinct tuple (the same
@@ -552,18 +658,27 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
     """``islands="auto"``: from one iteration's traced backward float16 rows (scaled values),
-    the islands to make: every traced leaf module with parameters (a Linear, a convolution, a
-    norm) whose largest output gradient sits at least AUTO_GAP binades below the whole model's
-    largest, whose output gradients held float16 subnormals (values an island's factor would
-    lift: a module whose gradients all sit in float16's normal range loses nothing at the
-    global scale, and an island would cost its hooks for nothing), and whose parameters no
-    other module holds.  A leaf's backward is measured whole
-    (its output gradient, traced; its parameters' gradients, in the pass; its input gradient,
-    at the island's exit); a block's is not (the functional ops between its modules, an
-    attention's scores among them, are not traced), so blocks are islands only by name.
-    Returns [] where none qualifies, None where the iteration held inf/NaN (a sync: one copy of
-    the rows' figures).  Embeddings are left out: a weight read outside its module (tied to an
-    output projection by a direct call) would get gradients at two scales."""
+    the islands to make.  A traced module is *quiet* where its largest output gradient sits at
+    least AUTO_GAP binades below the whole model's largest.  Chosen:
+
+    * every quiet traced leaf module with parameters (a Linear, a convolution, a norm; not an
+      embedding) whose output gradients held float16 subnormals (values an island's factor
+      would lift: a module whose gradients all sit in float16's normal range loses nothing at
+      the global scale, and an island would cost its hooks for nothing);
+    * every block of leaves (a module whose children are all leaves: an attention, an MLP)
+      holding such a leaf, whose traced leaves are all quiet: the functional ops between its
+      modules (an attention's scores and softmax, an activation) then run at its factor too,
+      measured whole (:meth:`Islands._interior`).  Where it holds two or more such leaves they
+      are islands nested in it, each at its own factor (an attention's query and key sit below
+      its value and its scores' softmax); a single one runs at the block's (what bounds the
+      block's factor bounds it too: its output gradient is what the block's functional ops
+      hand it, its input gradient is the block's, so a factor of its own would cost its edges
+      for a binade or two).
+
+    Parameters another module outside the island holds (tied weights) keep a module or block
+    out.  Returns [] where none qualifies, None where the iteration held inf/NaN (a sync: one
+    copy of the rows' figures).  Embeddings are left out: a weight read outside its module (tied
+    to an output projection by a direct call) would get gradients at two scales."""
     values = [
         (name, table[1 + input_rows :])
         for name, _, direction, _, table, _, dtype, input_rows in rows
@@ -593,22 +708,43 @@ def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(name)
     modules = dict(model.named_modules())
-    chosen = []
-    for name, top in tops.items():
-        module = modules.get(name)
-        if module is None or next(module.children(), None) is not None or not top > 0:
+
+    def quiet(name: str) -> bool:
+        return tops[name] > 0 and math.log2(overall / tops[name]) >= AUTO_GAP
+
+    def owned(name: str) -> bool:  # (its parameters held by no module outside it)
+        params = modules[name].parameters()
+        return all(all(_inside(o, name) for o in owners[id(p)]) for p in params)
+
+    embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    leaves = [
+        name
+        for name in tops
+        if name in modules
+        and next(modules[name].children(), None) is None
+        and not isinstance(modules[name], embeddings)
+        and next(modules[name].parameters(), None) is not None
+        and quiet(name)
+        and subnormal[name] > 0
+        and owned(name)
+    ]
+    blocks = []
+    for name, module in modules.items():
+        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        if not name or not children or any(next(modules[c].children(), None) for c in children):
             continue
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-            continue
-        params = list(module.parameters())
+        traced = [c for c in children if c in tops]
+        held = [c for c in traced if c in leaves]
         if (
-            params
-            and math.log2(overall / top) >= AUTO_GAP
-            and subnormal[name] > 0
-            and all(owners[id(p)] == {name} for p in params)
+            held
+            and all(quiet(c) for c in traced)
+            and not any(isinstance(modules[c], embeddings) for c in children)
+            and owned(name)
         ):
-            chosen.append(name)
-    return chosen
+            blocks.append(name)
+            if len(held) == 1:  # (it runs at the block's factor: see the docstring)
+                leaves.remove(held[0])
+    return blocks + leaves
 
 
 # ----------------------------------------------------------------------------- the scaler's side
@@ -738,8 +874,8 @@ class ScalerIslands:
                     self._install(names, "GradScaler(islands='auto')")
             return
         if self.islands.state is not None and watch.now:
-            *rule, headroom = policy  # (an island's margin is fixed: abs of a learned one's most)
-            policy = (*rule, min(abs(headroom) * ISLAND_MARGIN, _HALF_MAX))
+            *rule, headroom = policy  # (an island's margin: from abs of a learned one's most)
+            policy = (*rule, abs(headroom))
             self.islands.prepare_next(
                 scaler._scale, watch.now, watch.tracer.now, policy, scaler._found_inf_plan
             )

@@ -247,3 +247,43 @@ def test_compiled_model_with_scale_islands_matches_eager(backend: str) -> None:
     # island for them, aot_eager none; no graph more either way)
     graphs, breaks = compiled[3], traced[3]
     assert graphs[0] <= breaks[0] and graphs[1] <= breaks[1] + len(eager[2]), (graphs, breaks)
+
+
+@pytest.mark.parametrize("compile_it", [False, True], ids=["eager", "compiled"])
+def test_a_block_island_under_compile_trains_and_says_what_it_measures(compile_it: bool) -> None:
+    """A block island (a module with modules inside) under torch.compile(model): it trains as
+    eagerly, with its edges scaled (its factor moves off 1), but the graph its forward made is
+    not walked (a compiled forward has no autograd nodes of its own between the modules), so
+    its interior gradients are not measured there; eagerly they are."""
+    from ampfused.scale_islands import INTERIOR
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)) * 0.5)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Block(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampfused.GradScaler("cpu", policy="headroom", islands=["1"])
+    scaler.watch(model, activations=True)
+    forward = torch.compile(model, backend="eager") if compile_it else model
+    interior = []
+    for k in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = forward(x).float().square().mean() * 1e-3
+        scaler.scale(loss).backward()
+        islands = scaler._island_set.islands
+        interior.append(sum(edge == INTERIOR for _, edge, _, _ in islands.edges))
+        scaler.step(opt)
+        scaler.update()
+    torch._dynamo.reset()
+    assert scaler.island_factors()["1"] != 1.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (max(interior) == 0) == compile_it, interior

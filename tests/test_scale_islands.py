@@ -1073,9 +1073,9 @@ def subnormal_share(rows: list) -> float:
 
 
 def test_auto_chooses_inside_the_quiet_block_and_lifts_it() -> None:
-    """islands="auto" chooses quiet (or modules inside it: auto chooses traced leaves), never
-    tied (its weight is twin's too); the factors then rise above 1 without a skipped step, and
-    the subnormal share of quiet's traced gradients falls."""
+    """islands="auto" chooses quiet (a block of quiet leaves, with the leaves nested in it),
+    never tied (its weight is twin's too); the factors then rise above 1 without a skipped
+    step, and the subnormal share of quiet's traced gradients falls."""
     torch.manual_seed(0)
     model = QuietNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -1087,6 +1087,7 @@ def test_auto_chooses_inside_the_quiet_block_and_lifts_it() -> None:
     chosen = factors_of(scaler)
     assert chosen, "no island chosen"
     assert all(n == "quiet" or n.startswith("quiet.") for n in chosen), chosen
+    assert "quiet" in chosen, chosen  # (the block: relu's gradient between a and b at its scale)
     skipped = train(model, opt, scaler, range(3, 9))
     assert not any(skipped), skipped
     factors = factors_of(scaler)
@@ -1096,6 +1097,166 @@ def test_auto_chooses_inside_the_quiet_block_and_lifts_it() -> None:
     assert after < before / 4, (before, after)
     zeros = [a.zeros / a.numel for a in quiet_rows(scaler.report())]
     assert max(zeros) < 0.6  # (relu's zeros: none more from underflow)
+
+
+AMPLIFY = 2.0**10  # how far the amplifier's interior gradient sits above its modules'
+
+
+class Amplifier(nn.Module):
+    """A block whose largest gradient is inside it, between its modules: a's output is scaled
+    down by AMPLIFY before b, whose weight is AMPLIFY times larger, so the gradient b hands
+    back to that product (a float16 tensor no module returns) sits AMPLIFY above a's output
+    gradient and the block's own."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        with torch.no_grad():
+            self.b.weight.mul_(AMPLIFY)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) / AMPLIFY)
+
+
+class AmplifierNet(nn.Module):
+    """The amplifier joins the residual stream at QUIET, like QuietNet's quiet block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.block = Amplifier()
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(h + self.block(h) * QUIET)
+
+
+def amplifier_run(islands: list[str], steps: int = 30) -> tuple[list[bool], dict, float]:
+    """The skips, the last factors and the largest interior gradient seen at the block's
+    scale (captured in the forward: the product's gradient, what b hands back)."""
+    torch.manual_seed(0)
+    model = AmplifierNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = scaler_with(islands).watch(model, activations=True)
+    largest = [0.0]
+
+    def capture(module: nn.Module, args: tuple) -> None:
+        (t,) = args
+        if t.requires_grad:
+            t.register_hook(lambda g: largest.__setitem__(0, max(largest[0], float(g.abs().max()))))
+
+    model.block.b.register_forward_pre_hook(capture)
+    skipped = train(model, opt, scaler, range(steps))
+    return skipped, factors_of(scaler), largest[0]
+
+
+def test_a_block_island_measures_the_gradients_between_its_modules() -> None:
+    """An island that is a block: the gradient inside it that no module returns (here AMPLIFY
+    above every module's and edge's) bounds its factor, so it never overflows float16 there:
+    no skipped step while the factor rises.  Measuring only its modules and edges, the factor
+    rises AMPLIFY too far and that gradient overflows."""
+    skipped, factors, largest = amplifier_run(["block"])
+    assert not any(skipped), skipped
+    assert factors["block"] >= 2.0**8, factors  # (it rose: the block sits 2^20 below the rest)
+    assert 2.0**9 < largest <= 65504.0 / 16, largest  # (near the island's edge, not past it)
+
+
+def test_a_block_islands_measure_leaves_a_nested_island_to_its_own() -> None:
+    """A leaf island nested in a block runs at its own factor: the block's measurement of its
+    interior leaves the nested island's region out (its output gradient, its weight's, its
+    input's before the exit), so it reads the same whether a runs at the block's factor or
+    2^12 above it; trained, a's factor rises above the block's, and no step is skipped."""
+    from ampfused.scale_islands import INTERIOR
+
+    def block_interior(a_factor: float) -> float:
+        torch.manual_seed(0)
+        model = AmplifierNet()
+        scaler = scaler_with(["block", "block.a"], init_scale=2.0**10)
+        scaler.watch(model, activations=True)
+        warm_up(scaler, model, f16_loss, [torch.optim.SGD(model.parameters(), lr=0.0)])
+        force(scaler, {"block": 2.0**4, "block.a": a_factor})
+        scaler.scale(f16_loss(model, 1)).backward()
+        islands = scaler._island_set.islands
+        rows = [t[1:, 1].max() for k, edge, _, t in islands.edges if k == 1 and edge == INTERIOR]
+        assert rows, "the block's interior was not measured"
+        return float(torch.stack(rows).max())
+
+    assert block_interior(2.0**4) == block_interior(2.0**16)
+    skipped, factors, _ = amplifier_run(["block", "block.a"])
+    assert not any(skipped), skipped
+    assert factors["block.a"] > factors["block"], factors
+
+
+class LoudInside(nn.Module):
+    """A block of two leaves: c's output gradient quiet (its output is scaled down by QUIET
+    before d), d's loud (its output is the block's, in the residual stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(32, 32)
+        self.d = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.tanh(self.c(x)) * QUIET)
+
+
+class TwoBlocksNet(QuietNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixed = LoudInside()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.mixed(torch.tanh(self.inp(x)))[:, :8]
+
+
+def test_auto_makes_a_block_an_island_only_where_all_its_leaves_are_quiet() -> None:
+    """mixed holds a quiet leaf (c) and a loud one (d): c is an island, mixed is not (its
+    factor would be bound by d's gradients, and lift nothing); quiet, all quiet, is one."""
+    torch.manual_seed(0)
+    model = TwoBlocksNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = scaler_with("auto").watch(model, activations=True)
+    train(model, opt, scaler, range(4))
+    chosen = factors_of(scaler)
+    assert "quiet" in chosen and "mixed.c" in chosen, chosen
+    assert "mixed" not in chosen and "mixed.d" not in chosen, chosen
+
+
+class Raising(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("planted")
+        return self.lin(x)
+
+
+def test_a_forward_that_raises_inside_an_island_leaves_nothing_open() -> None:
+    """An exception in an island's forward (the block and its nested leaf open) closes both
+    calls: the next iterations train as a fresh run does, factor for factor."""
+
+    def run(fail_once: bool) -> dict:
+        torch.manual_seed(0)
+        model = QuietNet()
+        model.quiet.a = Raising()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = scaler_with(["quiet", "quiet.a"]).watch(model, activations=True)
+        if fail_once:
+            model.quiet.a.fail = True
+            with pytest.raises(RuntimeError, match="planted"):
+                f16_loss(model)
+            model.quiet.a.fail = False
+            assert scaler._island_set.islands._open == []
+            assert scaler._island_set.islands._regions == {}
+        train(model, opt, scaler, range(5))
+        return factors_of(scaler)
+
+    assert run(fail_once=True) == run(fail_once=False)
 
 
 def plant_inf_in_loss(model: nn.Module, seed: int) -> torch.Tensor:

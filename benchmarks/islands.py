@@ -34,10 +34,13 @@ planted spikes and later; the scale each step ran with, its median as log2; the 
   and in a float32 recompute of the same step (same weights and batch, the loss times the
   scale in force; policy.float32_grads).  Of the elements nonzero in float32, the share
   **subnormal** (zero or subnormal in float16: |x| < 2^-14, held with fewer than 11 significant
-  bits or not at all) and the share **zero** (flushed to zero), over all sampled steps: the
-  whole model's, and the worst module's (named).  The float16 side is read as the backward made
-  it, at whatever scale each island ran; float32 only says which elements are not zero, so the
-  measure holds for a scale per island as for one scale.
+  bits or not at all) and the share **zero** (flushed to zero): the whole model's at step 0,
+  and over the sampled steps after it the whole model's and the worst module's (named).  Step 0
+  runs before anything is measured (the headroom policies at their starting scale of 1.0,
+  islands not yet chosen): averaged in, that one step would weigh as ``sample_every`` steps
+  (the figures over every sampled step are in the records too, ``activations``).  The float16
+  side is read as the backward made it, at whatever scale each island ran; float32 only says
+  which elements are not zero, so the measure holds for a scale per island as for one scale.
 - **step time**: the policies' steps timed interleaved (each round runs one step of every
   available policy on the same batch, in a shuffled order, on models of their own, after a
   warm-up), the median per policy, over torch's default's (the untraced step) and over the
@@ -45,7 +48,8 @@ planted spikes and later; the scale each step ran with, its median as log2; the 
   (``ms_per_step``) but they ran one after the other, under whatever load came and went.
 
 Targets (issue 36 §4: the islands policy's, judged for every policy): subnormal activation
-gradients at most 0.05% of nonzero in every module where the global scale leaves more than 5%;
+gradients at most 0.05% of nonzero in every module where the global scale leaves more than 5%
+(after step 0);
 no skipped step outside the planted spikes; a final loss at least as close to float32's as the
 global scale's ("too short to tell" where the two distances differ by less than the run-to-run
 noise; not judged without noise runs, as in --quick); a step at most 1.25x the untraced step and
@@ -199,13 +203,12 @@ def _worst(modules: dict[str, list[int]], k: int) -> dict[str, Any]:
     return {"module": name, "share": shares[name]}
 
 
-def activation_figures(trace: Trace) -> dict[str, Any]:
-    """The run's activation-gradient figures from its sampled steps' module counts: the whole
-    model's subnormal and zero shares, the worst modules, per-module counts, each sampled step's
-    whole-model shares (the plot)."""
+def _figures(measured: list[tuple[int, Any]]) -> dict[str, Any]:
+    """The shares over these sampled steps: the whole model's subnormal and zero shares, the
+    worst modules, per-module counts, each step's whole-model shares."""
     modules: dict[str, list[int]] = {}
     series = []
-    for step, counts in trace.measured:
+    for step, counts in measured:
         total = [0, 0, 0, 0]
         for name, c in counts.items():
             acc = modules.setdefault(name, [0, 0, 0, 0])
@@ -215,22 +218,32 @@ def activation_figures(trace: Trace) -> dict[str, Any]:
         series.append([step, _share(total[2], total[1]), _share(total[3], total[1])])
     whole = [sum(c[k] for c in modules.values()) for k in range(4)]
     return {
-        "activations": {
-            "subnormal": _share(whole[2], whole[1]),
-            "zero": _share(whole[3], whole[1]),
-            "worst_subnormal": _worst(modules, 2),
-            "worst_zero": _worst(modules, 3),
-            "elements": whole[0],
-            "nonzero": whole[1],
-            "modules": modules,  # name: [elements, nonzero, subnormal, zero]
-            "series": series,  # [step, subnormal share, zero share]
-        }
+        "subnormal": _share(whole[2], whole[1]),
+        "zero": _share(whole[3], whole[1]),
+        "worst_subnormal": _worst(modules, 2),
+        "worst_zero": _worst(modules, 3),
+        "elements": whole[0],
+        "nonzero": whole[1],
+        "modules": modules,  # name: [elements, nonzero, subnormal, zero]
+        "series": series,  # [step, subnormal share, zero share]
+    }
+
+
+def activation_figures(trace: Trace) -> dict[str, Any]:
+    """The run's activation-gradient figures from its sampled steps' module counts: over every
+    sampled step (``activations``), and over those after the first (``after_start``: step 0
+    runs before anything is measured, at the headroom policy's starting scale of 1.0 and before
+    islands are chosen; averaged in, that one step would weigh as sample_every steps)."""
+    return {
+        "activations": _figures(trace.measured),
+        "after_start": _figures(trace.measured[1:]),
     }
 
 
 def module_shares(run: dict[str, Any]) -> dict[str, float]:
-    """The run's subnormal share per module (modules with a nonzero element)."""
-    modules = run["activations"]["modules"]
+    """The run's subnormal share per module after the start (modules with a nonzero
+    element)."""
+    modules = run["after_start"]["modules"]
     return {n: c[2] / c[1] for n, c in modules.items() if c[1]}
 
 
@@ -436,8 +449,9 @@ def table(result: dict[str, Any], task: str, tablefmt: str) -> str:
         "policy",
         f"skipped steps: first {first} / later / at spikes",
         "log2 scale: median",
-        "activation gradients subnormal: whole model / worst module",
-        "zero: whole model / worst module",
+        "step 0: subnormal",
+        "after step 0: subnormal, whole model / worst module",
+        "after step 0: zero, whole model / worst module",
         "final loss (minus float32's)",
         "step ms (/ untraced, / traced)",
     ]
@@ -451,9 +465,10 @@ def table(result: dict[str, Any], task: str, tablefmt: str) -> str:
         diff = r.get("loss_minus_float32")
         loss = f"{r['final_loss']:.4f} ({policy._signed(diff)})"
         if "skipped" not in r:  # float32
-            rows.append(row + ["-"] * 4 + [loss, "-"])
+            rows.append(row + ["-"] * 5 + [loss, "-"])
             continue
-        s, a = r["skipped"], r["activations"]
+        s, a = r["skipped"], r["after_start"]
+        start = r["activations"]["series"][:1]
         spikes = str(s["spikes"]) if entry["spikes"] else "-"
         step = entry["step_ms"].get(r["policy"])
         ratios = f"{_x(r.get('step_vs_untraced'))}, {_x(r.get('step_vs_traced'))}"
@@ -462,6 +477,7 @@ def table(result: dict[str, Any], task: str, tablefmt: str) -> str:
             + [
                 f"{s['first']} / {s['later']} / {spikes}",
                 policy._log2_cell(r["log2_scale_median"]),
+                policy._pct(start[0][1]) if start and start[0][0] == 0 else "-",
                 _worst_cell(a["subnormal"], a["worst_subnormal"]),
                 _worst_cell(a["zero"], a["worst_zero"]),
                 loss,
@@ -481,14 +497,17 @@ def intro(result: dict[str, Any]) -> str:
         f"of the Linear layers, every {f['sample_every']}th step, captured in the float16 "
         "backward and in a float32 recompute of the same step (same weights, batch and scale); "
         "subnormal: zero or subnormal in float16 (below 2^-14) where float32 is not zero, as a "
-        "share of the elements float32 holds nonzero, over the sampled steps; zero: of those, "
-        "zero in float16; worst module: the largest share (named from its layer index on). "
+        "share of the elements float32 holds nonzero, at step 0 and over the sampled steps "
+        "after it (step 0 runs before anything is measured: the headroom policies' at their "
+        "starting scale of 1.0, before islands are chosen); zero: of those, zero in float16; "
+        "worst module: the largest share (named from its layer index on). "
         "Step ms: the median step, each "
         f"policy's steps timed interleaved with the others' ({f['timing']['rounds']} rounds "
         f"after {f['timing']['warmup']} warm-up steps), over torch default's (the untraced "
         "step) and the global headroom's (traced). Final loss: mean of the last "
         f"{f['last']} steps. Targets (the islands policy's, judged for every policy): "
-        "subnormal at most 0.05% in every module where the global headroom leaves more than 5%; "
+        "subnormal at most 0.05% in every module where the global headroom leaves more than 5% "
+        "(after step 0); "
         "no skipped step outside the planted spikes; a final loss at least as close to "
         "float32's as the global headroom's (too short to tell where the two differ by less "
         "than the run-to-run noise); a step at most 1.25x the untraced one and 1.1x the traced "
@@ -507,10 +526,11 @@ def finding(result: dict[str, Any], name: str) -> str:
         r = runs.get(pname)
         if r is None or "activations" not in r:
             continue
-        a, worst = r["activations"], r["activations"]["worst_subnormal"]
+        a, worst = r["after_start"], r["after_start"]["worst_subnormal"]
         line += (
             f"{pname}: median scale 2^{policy._log2_cell(r['log2_scale_median'])}, "
-            f"{policy._pct(a['subnormal'])} of nonzero activation gradients subnormal"
+            f"{policy._pct(a['subnormal'])} of nonzero activation gradients subnormal after "
+            "step 0"
         )
         if worst["module"] is not None:
             line += f" (worst {short(worst['module'])}, {policy._pct(worst['share'])})"

@@ -91,6 +91,10 @@ def test_activation_figures_whole_model_worst_modules_and_series() -> None:
     assert a["worst_zero"] == {"module": "k", "share": 0.1}
     assert a["series"] == [[0, 5 / 18, 1 / 18], [5, 0.0, 1 / 18]]
     assert (a["elements"], a["nonzero"]) == (60, 36)
+    # after the start: the sampled steps but the first
+    after = islands.activation_figures(trace)["after_start"]
+    assert after["modules"] == {"q": [10, 8, 0, 0], "k": [10, 10, 0, 1], "v": [10, 0, 0, 0]}
+    assert after["subnormal"] == 0.0 and after["series"] == [[5, 0.0, 1 / 18]]
     # a tie goes to the first module in forward order
     trace.measured = [(0, {"x": [4, 4, 1, 0], "y": [4, 4, 1, 0]})]
     assert islands.activation_figures(trace)["activations"]["worst_subnormal"]["module"] == "x"
@@ -132,7 +136,7 @@ def _run(name: str, modules: dict, loss: float, skipped: tuple = (0, 0), step=(1
         "status": "ok",
         "final_loss": loss,
         "skipped": {"first": skipped[0], "later": skipped[1], "spikes": 0},
-        "activations": {"modules": modules},
+        "after_start": {"modules": modules},
         "step_vs_untraced": step[0],
         "step_vs_traced": step[1],
     }
@@ -244,6 +248,7 @@ def test_records_and_json(result: dict, tmp_path: Path) -> None:
                 "step time",
             }
             assert "loss_minus_float32" in r
+            assert r["after_start"]["series"] == a["series"][1:]
         assert "activations" not in by["float32"] and "target" not in by["float32"]
     assert "ampfused_equals_torch" not in result["tasks"]["bert-tiny"]
     assert islands.errors(result) == []
@@ -325,3 +330,4 @@ def test_docs_quote_the_committed_run() -> None:
     prose = "\n".join(line for line in doc.splitlines() if not line.startswith("|"))
     for figure in re.findall(r"\d[\d.]*%", prose):
         assert figure in results or figure in ("0.05%", "5%"), figure  # (or a target's)
+

@@ -330,4 +330,3 @@ def test_docs_quote_the_committed_run() -> None:
     prose = "\n".join(line for line in doc.splitlines() if not line.startswith("|"))
     for figure in re.findall(r"\d[\d.]*%", prose):
         assert figure in results or figure in ("0.05%", "5%"), figure  # (or a target's)
-

@@ -42,6 +42,7 @@ no inf/NaN (:func:`choose`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable
@@ -216,11 +217,12 @@ class Islands:
         # This iteration's edge statistics: (island, ENTRY, EXIT or INTERIOR, dtype, table), in
         # backward order.
         self.edges: list[tuple[int, int, torch.dtype, torch.Tensor]] = []
-        # The island calls open in the forward pass (innermost last): per call, the autograd
-        # sequence number at its start and the nodes of its input views (its exits); and the
-        # regions of the island calls that ended inside an open one (their outputs' nodes ->
-        # their exits' nodes), which the enclosing block's walk leaves to them.
-        self._open: list[tuple[int, list]] = []
+        # The island calls open in the forward pass (innermost last): per call, [the island,
+        # the autograd sequence number at its start, the nodes of its input views (its exits),
+        # whether its graph can be walked]; and the regions of the island calls that ended
+        # inside an open one (their outputs' nodes -> their exits' nodes), which the enclosing
+        # block's walk leaves to them.
+        self._open: list[list] = []
         self._regions: dict[Any, list] = {}
         self._scratch: _Scratch | None = None
         self._handles = []
@@ -258,8 +260,11 @@ class Islands:
     # of tracing, and they run eagerly: they read the gradient's statistics)
     def _entering(self, k: int) -> Any:
         """The pre-hook: each input that needs a gradient goes in as a view whose gradient
-        (what leaves the island in backward) is multiplied by the island's 1 / f."""
+        (what leaves the island in backward) is multiplied by the island's 1 / f.  It opens
+        the call (:attr:`_open`: the island, the autograd sequence number at its start, its
+        exits' nodes, whether its graph can be walked), which the forward hook closes."""
         scale = functools.partial(self._exit_grad, k)
+        where = f"scale islands: an input of the island {self.names[k]!r}"
 
         def wrap(v: Any, exits: list | None) -> Any:
             if isinstance(v, torch.Tensor):
@@ -273,14 +278,18 @@ class Islands:
                 return type(v)(wrap(x, exits) for x in v)
             if type(v) is dict:
                 return {key: wrap(x, exits) for key, x in v.items()}
-            return v
+            return _rebuilt(v, lambda t: wrap(t, exits), where)  # (other containers: rare)
 
         def hook(module: Any, args: tuple, kwargs: dict) -> Any:
-            # (the forward hook closes the call; torch.compile traces this hook, and a compiled
-            # graph has no autograd nodes to walk: nothing is kept for the walk there)
+            # (torch.compile traces this hook, and a compiled graph has no autograd nodes of
+            # its own to walk: nothing is kept for a walk there, and an enclosing call's
+            # walk, which would enter this region unknowing, is called off)
             compiling = torch.compiler.is_compiling()
+            if compiling:
+                for call in self._open:
+                    call[3] = False
             exits: list = []
-            self._open.append((0 if compiling else autograd_sequence_nr(), exits))
+            self._open.append([k, 0 if compiling else autograd_sequence_nr(), exits, True])
             if not torch.is_grad_enabled():
                 return None
             kept = None if compiling else exits
@@ -298,18 +307,20 @@ class Islands:
         then splits one graph more for), and its interior is measured (:meth:`_interior`)."""
 
         def hook(module: Any, args: tuple, output: Any) -> Any:
-            start, exits = self._open.pop() if self._open else (0, [])
-            try:
-                if output is None or not torch.is_grad_enabled():  # (None: its forward raised)
-                    return None
-                return self._leave(k, leaf, output, start, exits)
-            finally:
-                if not self._open:  # (the outermost call ended: no walk needs the regions)
-                    self._regions.clear()
+            # (the call this pre-hook opened: none where another pre-hook raised before it)
+            call = self._open.pop() if self._open and self._open[-1][0] == k else None
+            result = None  # (output None: its forward raised)
+            if call is not None and output is not None and torch.is_grad_enabled():
+                result = self._leave(k, leaf, output, call)
+            if not self._open:  # (the outermost call ended: no walk needs the regions; no
+                # try/finally, which torch.compile splits the graph for)
+                self._regions.clear()
+            return result
 
         return hook
 
-    def _leave(self, k: int, leaf: bool, output: Any, start: int, exits: list) -> Any:
+    def _leave(self, k: int, leaf: bool, output: Any, call: list) -> Any:
+        _, start, exits, walkable = call
         scale = functools.partial(self._entry_grad, k)
         seen: dict[int, torch.Tensor] = {}
         if leaf:
@@ -319,25 +330,19 @@ class Islands:
                     t.register_hook(scale)
             result = None
         else:
-            if not torch.compiler.is_compiling():
+            if walkable and not torch.compiler.is_compiling():
                 self._interior(k, output, start, exits)
 
-            def wrap(v: Any) -> Any:
-                if isinstance(v, torch.Tensor):
-                    if not (v.requires_grad and v.is_floating_point()):
-                        return v
-                    view = seen.get(id(v))
-                    if view is None:
-                        view = seen[id(v)] = v.view_as(v)
-                        view.register_hook(scale)
-                    return view
-                if type(v) in (tuple, list):
-                    return type(v)(wrap(x) for x in v)
-                if type(v) is dict:
-                    return {key: wrap(x) for key, x in v.items()}
-                return v
+            def wrap(t: torch.Tensor) -> torch.Tensor:
+                if not (t.requires_grad and t.is_floating_point()):
+                    return t
+                view = seen.get(id(t))
+                if view is None:
+                    view = seen[id(t)] = t.view_as(t)
+                    view.register_hook(scale)
+                return view
 
-            result = wrap(output)
+            result = _rebuilt(output, wrap, f"scale islands: the output of {self.names[k]!r}")
         if self._open and not torch.compiler.is_compiling():  # (inside an enclosing island's
             # call: its walk leaves this region to it)
             for t in seen.values():
@@ -641,6 +646,8 @@ def fresh_row(scale_bits: int = 0, hysteresis_left: int = 0) -> list[int]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside `value`: in tuples, lists and dicts (their subclasses too) and
+    dataclasses."""
     if isinstance(value, torch.Tensor):
         return [value]
     out: list[torch.Tensor] = []
@@ -653,7 +660,48 @@ def _tensors(value: Any) -> list[torch.Tensor]:
             stack.extend(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
     return out
+
+
+def _rebuilt(value: Any, fn: Any, where: str) -> Any:
+    """`value` with each tensor in it replaced by fn(tensor): tuples, lists and dicts rebuilt
+    (a namedtuple, a dict subclass and a dataclass as their own type), never changed in place.
+    A container of another kind, or one that cannot be made again, is refused where it holds a
+    tensor that needs a gradient (left as it is, that tensor's gradient would cross the
+    island's edge without its factor)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if type(value) in (tuple, list):
+        return type(value)(_rebuilt(x, fn, where) for x in value)
+    if type(value) is dict:
+        return {key: _rebuilt(x, fn, where) for key, x in value.items()}
+    if not any(t.requires_grad for t in _tensors(value)):
+        return value
+    try:
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # (a PackedSequence too)
+            return type(value)(*(_rebuilt(x, fn, where) for x in value))
+        if isinstance(value, dict):
+            return type(value)((key, _rebuilt(x, fn, where)) for key, x in value.items())
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = [f.name for f in dataclasses.fields(value) if f.init]
+            if len(fields) < len(dataclasses.fields(value)):  # (a field replace() cannot set)
+                raise TypeError("a field with init=False")
+            return dataclasses.replace(
+                value, **{n: _rebuilt(getattr(value, n), fn, where) for n in fields}
+            )
+    except Exception as e:  # noqa: BLE001 - any failure to make it again is the refusal below
+        raise NotImplementedError(
+            f"{where} is a {type(value).__name__} holding tensors that need gradients, which "
+            "the island cannot make again with its gradient hooks on them; return tensors, "
+            "tuples, lists or dicts from it, or leave the module out of islands"
+        ) from e
+    raise NotImplementedError(
+        f"{where} is a {type(value).__name__} holding tensors that need gradients, which the "
+        "island cannot make again with its gradient hooks on them; return tensors, tuples, "
+        "lists, dicts or dataclasses from it, or leave the module out of islands"
+    )
 
 
 def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
@@ -729,16 +777,17 @@ def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
         and owned(name)
     ]
     blocks = []
+    name_of = {id(m): n for n, m in modules.items()}  # (a module held twice: its first name)
     for name, module in modules.items():
-        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
-        if not name or not children or any(next(modules[c].children(), None) for c in children):
+        children = list(module.children())
+        if not name or not children or any(next(c.children(), None) is not None for c in children):
             continue
-        traced = [c for c in children if c in tops]
+        traced = [name_of[id(c)] for c in children if name_of[id(c)] in tops]
         held = [c for c in traced if c in leaves]
         if (
             held
             and all(quiet(c) for c in traced)
-            and not any(isinstance(modules[c], embeddings) for c in children)
+            and not any(isinstance(c, embeddings) for c in children)
             and owned(name)
         ):
             blocks.append(name)

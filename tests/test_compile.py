@@ -210,8 +210,8 @@ def test_compiled_model_with_traced_activations_is_quiet_and_records_as_eager(ba
 def test_compiled_model_with_scale_islands_matches_eager(backend: str) -> None:
     """torch.compile(model) with scale islands (GradScaler(islands=...)): the same parameters,
     scales and island factors as the eager model, bit for bit (a factor moved off 1, so an edge
-    left unscaled would show), with no more graphs than traced mode alone and at most a graph
-    break more per island."""
+    left unscaled would show), with no more graphs than traced mode alone and at most two graph
+    breaks more per island (its entry and exit hooks)."""
     from torch._dynamo.utils import counters
 
     def run(compile_it: bool, islands: Any) -> tuple:
@@ -243,10 +243,10 @@ def test_compiled_model_with_scale_islands_matches_eager(backend: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager[0], compiled[0], strict=True))
     assert compiled[1:3] == eager[1:3]
     traced = run(True, None)
-    # (the islands' gradient hooks run eagerly: dynamo's eager backend counts a break per
-    # island for them, aot_eager none; no graph more either way)
+    # (the islands' gradient hooks run eagerly: dynamo counts a break for an island's entry
+    # hook and for its exit hook at most; no graph more)
     graphs, breaks = compiled[3], traced[3]
-    assert graphs[0] <= breaks[0] and graphs[1] <= breaks[1] + len(eager[2]), (graphs, breaks)
+    assert graphs[0] <= breaks[0] and graphs[1] <= breaks[1] + 2 * len(eager[2]), (graphs, breaks)
 
 
 @pytest.mark.parametrize("compile_it", [False, True], ids=["eager", "compiled"])
@@ -287,3 +287,39 @@ def test_a_block_island_under_compile_trains_and_says_what_it_measures(compile_i
     assert scaler.island_factors()["1"] != 1.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert (max(interior) == 0) == compile_it, interior
+
+
+def test_a_compiled_island_inside_an_eager_block_calls_off_the_blocks_walk() -> None:
+    """A leaf island compiled on its own (module.compile()) inside an eager block island: its
+    hooks run traced, so it keeps no region for the block's walk, which would measure its
+    gradients (at its own scale) as the block's; the block's walk is called off instead (its
+    interior is not measured, as under a whole compiled model)."""
+    from ampfused.scale_islands import INTERIOR
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Block(), nn.Linear(8, 3))
+    model[1].a.compile(backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampfused.GradScaler("cpu", policy="headroom", islands=["1", "1.a"])
+    scaler.watch(model, activations=True)
+    for k in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        rows = [t for i, edge, _, t in scaler._island_set.islands.edges if edge == INTERIOR]
+        assert rows == [], k
+        scaler.step(opt)
+        scaler.update()
+    torch._dynamo.reset()
+    assert scaler._island_set.islands._open == []

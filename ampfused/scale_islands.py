@@ -229,7 +229,7 @@ class Islands:
         for k, n in enumerate(self.names):
             module = modules[n]
             self._handles.append(
-                module.register_forward_pre_hook(self._entering(k), with_kwargs=True)
+                module.register_forward_pre_hook(self._entering(k, module), with_kwargs=True)
             )
             # prepend: before a tracer's hook, which then records the island's own scale
             leaf = next(module.children(), None) is None
@@ -258,11 +258,16 @@ class Islands:
 
     # -- the edges (torch.compile traces the module hooks; the gradient hooks it calls instead
     # of tracing, and they run eagerly: they read the gradient's statistics)
-    def _entering(self, k: int) -> Any:
+    def _entering(self, k: int, island: torch.nn.Module) -> Any:
         """The pre-hook: each input that needs a gradient goes in as a view whose gradient
         (what leaves the island in backward) is multiplied by the island's 1 / f.  It opens
         the call (:attr:`_open`: the island, the autograd sequence number at its start, its
-        exits' nodes, whether its graph can be walked), which the forward hook closes."""
+        exits' nodes, whether its graph can be walked), which the forward hook closes.
+
+        A copy of the module (``copy.deepcopy`` of the model copies its hooks) is not the
+        island: its parameters are not the scaler's, and it runs at the global scale
+        untouched.  A ``torch.nn.DataParallel`` replica is refused: its parameters' gradients
+        reach the island's own at the global scale, from other threads."""
         scale = functools.partial(self._exit_grad, k)
         where = f"scale islands: an input of the island {self.names[k]!r}"
 
@@ -281,6 +286,15 @@ class Islands:
             return _rebuilt(v, lambda t: wrap(t, exits), where)  # (other containers: rare)
 
         def hook(module: Any, args: tuple, kwargs: dict) -> Any:
+            if module is not island:
+                if getattr(module, "_is_replica", False):
+                    raise NotImplementedError(
+                        f"scale islands: the island {self.names[k]!r} ran as a "
+                        "torch.nn.DataParallel replica, whose gradients reach the island's "
+                        "parameters at the global scale; use DistributedDataParallel (one "
+                        "process per device), or a scaler without islands"
+                    )
+                return None
             # (torch.compile traces this hook, and a compiled graph has no autograd nodes of
             # its own to walk: nothing is kept for a walk there, and an enclosing call's
             # walk, which would enter this region unknowing, is called off)

@@ -996,6 +996,34 @@ def test_copy_and_pickle_keep_the_factors(clone: Callable) -> None:
         assert torch.equal(p, q)
 
 
+def test_a_copy_of_the_model_runs_at_the_global_scale_untouched() -> None:
+    """copy.deepcopy of a watched model copies the islands' and the tracer's hooks with it; the
+    copy is not the island (its parameters are not the scaler's): trained, its gradients equal
+    bit for bit those of a copy with no hooks at all, and nothing of it is recorded.  A
+    torch.nn.DataParallel replica (marked ``_is_replica``) is refused."""
+    model, opt, scaler = fresh(["quiet"], seed=0)
+    scaler.watch(model, activations=True)
+    train(model, opt, scaler, range(3))
+    assert factors_of(scaler)["quiet"] != 1.0
+    copied = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    for m in plain.modules():
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
+    scaler.scale(f16_loss(model, 3)).backward()  # (an iteration open: the copy joins nothing)
+    islands, tracer = scaler._island_set.islands, scaler._watch.tracer
+    edges, rows = len(islands.edges), len(tracer.now)
+    for m in (copied, plain):
+        m.zero_grad(set_to_none=True)
+        (f16_loss(m, 3) * 1024.0).backward()
+    assert (len(islands.edges), len(tracer.now)) == (edges, rows)
+    assert_same(grads(copied), grads(plain), "the copy's gradients")
+    replica = copy.deepcopy(model)
+    replica.quiet._is_replica = True
+    with pytest.raises(NotImplementedError, match="DataParallel replica.*DistributedDataParallel"):
+        f16_loss(replica, 3)
+
+
 class LaterQuiet(nn.Module):
     """QuietNet's shape without tied weights, and a gain on `late`'s output that a test lowers
     during training: `late` joins the quiet ones only then."""

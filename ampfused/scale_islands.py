@@ -603,11 +603,12 @@ class Islands:
         whether float16's; on the device, made once per shape."""
         t = self._ids.get(shape)
         if t is None:
-            if len(self._ids) > 64:
-                self._ids.clear()
-            per_row = [(k * (i >= skip), e, h) for k, e, h, skip, n in shape for i in range(n)]
-            rows = torch.tensor(per_row, dtype=torch.long, device=self.dev)
-            t = self._ids[shape] = (rows[:, 0], rows[:, 1].bool(), rows[:, 2].bool())
+            # (per table two runs of rows: those left out, island 0, then the island's)
+            runs = [(k * on, e, h) for k, e, h, _, _ in shape for on in (0, 1)]
+            lengths = [m for *_, skip, n in shape for m in (min(skip, n), max(n - skip, 0))]
+            rows = torch.tensor(runs).repeat_interleave(torch.tensor(lengths), dim=0)
+            rows = self._copied(rows)
+            t = self._cached(shape, (rows[:, 0], rows[:, 1].bool(), rows[:, 2].bool()))
         return t
 
     def _on_device(self, values: tuple) -> torch.Tensor:
@@ -615,10 +616,22 @@ class Islands:
         gradients and traced modules each step: no host-to-device copy after the first)."""
         t = self._ids.get(values)
         if t is None:
-            if len(self._ids) > 64:  # (a model whose calls vary: keep the cache small)
-                self._ids.clear()
-            t = self._ids[values] = torch.tensor(values, device=self.dev)
+            t = self._cached(values, self._copied(torch.tensor(values)))
         return t
+
+    def _cached(self, key: tuple, value: Any) -> Any:
+        if len(self._ids) > 64:  # (a model whose calls vary: keep the cache small)
+            self._ids.clear()
+        self._ids[key] = value
+        return value
+
+    def _copied(self, host: torch.Tensor) -> torch.Tensor:
+        """`host` on the islands' device; on a GPU from pinned memory, without waiting: a copy
+        from pageable memory waits for the work queued before it (a sync each iteration where
+        the shapes vary and the ids are made again)."""
+        if self.dev.type != "cuda":
+            return host.to(self.dev)
+        return host.pin_memory().to(self.dev, non_blocking=True)
 
     def hold_global(self, state: torch.Tensor, nxt: torch.Tensor) -> None:
         """The global update in `nxt` undone where :attr:`hold` says (the iteration still

@@ -1522,6 +1522,53 @@ def test_island_pass_on_cuda_equals_the_cpu(stats: bool) -> None:
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
 
 
+def test_row_ids_of_tables_of_every_shape() -> None:
+    """The per-row ids prepare_next reads its tables with, for shapes never seen before (a model
+    whose sequence length varies makes new ones each iteration): each row's island, 0 for the
+    rows left out (a header, a module's inputs), whether an entry's and whether float16's."""
+    model, _, _ = fresh(["quiet"])
+    islands = ampfused.scale_islands.Islands(model, ["quiet", "quiet.a"], "test")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        shape = tuple(
+            tuple(int(v) for v in torch.randint(0, 4, (1,), generator=g))
+            + tuple(bool(v) for v in torch.randint(0, 2, (2,), generator=g))
+            + tuple(int(v) for v in torch.randint(0, 5, (2,), generator=g))
+            for _ in range(int(torch.randint(1, 6, (1,), generator=g)))
+        )
+        want = [(k * (i >= skip), e, h) for k, e, h, skip, n in shape for i in range(n)]
+        at, entry, half = islands._row_ids(shape)
+        assert list(zip(at.tolist(), entry.tolist(), half.tolist(), strict=True)) == want, shape
+    islands.remove()
+
+
+@pytest.mark.cuda
+def test_islands_iteration_on_cuda_waits_for_nothing() -> None:
+    """On a GPU an iteration with islands (the edges' statistics, their ids, prepare_next, the
+    update) makes no host sync, also where the batch's size changes each iteration, so that
+    the tables' shapes are new and their ids are made again."""
+    torch.manual_seed(0)
+    model = QuietNet().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = ampfused.GradScaler("cuda", policy="headroom", islands=["quiet"])
+    scaler.watch(model, activations=True)
+    for i, batch in enumerate((64, 2100, 4200, 6600, 9000, 2200)):
+        x = torch.randn(batch, 16, device="cuda")
+        if i == 2:  # (after the state and the scratch buffers exist)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autocast("cuda", dtype=F16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad(set_to_none=True)
+    assert factors_of(scaler)["quiet"] > 1.0
+
+
 def test_traced_rows_inside_an_island_reach_the_global_magnitude_divided() -> None:
     """The global magnitude's traced part (_grad_pass.activation_magnitude): a row of a module
     inside an island counts divided by the island's factor (its value at the global scale),

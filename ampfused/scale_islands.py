@@ -537,11 +537,7 @@ class Islands:
         for table, positions, groups in tables:
             if table.device != dev:
                 continue
-            # (positions are on the host: the ids made there, copied once per distinct list)
-            of = torch.tensor(self.of_groups([p for g in groups for p in g["params"]]))
-            rows_per_grad = (positions[:, 1] + ops.CHUNK_SIZE - 1) // ops.CHUNK_SIZE
-            ids = of[positions[:, 0]].repeat_interleave(rows_per_grad)
-            ids = ids if dev.type == "cpu" else self._on_device(tuple(ids.tolist()))
+            ids = self._param_row_ids(positions, groups)
             items = table[1:]
             top.scatter_reduce_(0, ids, items[:, 1], "amax")
             param_bad.scatter_add_(0, ids, items[:, 2:5].sum(1))
@@ -553,14 +549,15 @@ class Islands:
         # (every row in one table: a handful of operations per iteration, not a few per row)
         # shape: per table, (island, whether an entry, float16, rows left out, rows read)
         parts, shape = [], []
+        half = torch.float16
         for name, _, direction, _, table, _, dtype, input_rows in rows:
             k = self.island_of_module(name) if direction == "backward" else 0
             if k and table.device == dev:
                 parts.append(table)
-                shape.append((k, False, dtype == torch.float16, 1 + input_rows, len(table)))
+                shape.append((k, False, dtype == half, 1 + input_rows, table.shape[0]))
         for k, edge, dtype, table in self.edges:
             parts.append(table)
-            shape.append((k, edge == ENTRY, dtype == torch.float16, 1, len(table)))
+            shape.append((k, edge == ENTRY, dtype == half, 1, table.shape[0]))
         inside = param_bad[1:] > 0
         arrived = torch.zeros(count, dtype=torch.bool, device=dev)
         if parts:
@@ -611,12 +608,20 @@ class Islands:
             t = self._cached(shape, (rows[:, 0], rows[:, 1].bool(), rows[:, 2].bool()))
         return t
 
-    def _on_device(self, values: tuple) -> torch.Tensor:
-        """`values` as a tensor on the islands' device, made once per distinct tuple (the same
-        gradients and traced modules each step: no host-to-device copy after the first)."""
-        t = self._ids.get(values)
+    def _param_row_ids(self, positions: torch.Tensor, groups: list) -> torch.Tensor:
+        """Per item row of a statistics table (the gradients at `positions`, [position, numel]
+        each, of the parameters in `groups`): its island, 0 for none; on the device, made once
+        per distinct positions and parameters (the same each step: no copy after the first)."""
+        flat = [p for g in groups for p in g["params"]]
+        # (positions are on the host, a new tensor each pass)
+        key = (positions.numpy().tobytes(), *map(id, flat))
+        t = self._ids.get(key)
         if t is None:
-            t = self._cached(values, self._copied(torch.tensor(values)))
+            of = torch.tensor(self.of_groups(flat))
+            rows_per_grad = (positions[:, 1] + ops.CHUNK_SIZE - 1) // ops.CHUNK_SIZE
+            t = self._cached(
+                key, self._copied(of[positions[:, 0]].repeat_interleave(rows_per_grad))
+            )
         return t
 
     def _cached(self, key: tuple, value: Any) -> Any:

@@ -90,6 +90,10 @@ UNTRACED, TRACED = TORCH, GLOBAL  # the steps each policy's step time is compare
 
 SUBNORMAL_MAX = 5e-4  # the target: at most 0.05% of nonzero activation gradients subnormal ...
 GLOBAL_LEAVES = 0.05  # ... in every module where the global scale leaves more than 5%
+# A module's own scale (the issue's per-module ideal): its largest float32 gradient of the step
+# at float16's largest over 4 (the headroom rule's fixed factor).  What is still below 2^-14
+# there spans more binades than float16 holds: no loss scale of the module's holds it.
+OWN_EDGE = 65504.0 / 4
 STEP_VS_UNTRACED, STEP_VS_TRACED = 1.25, 1.1  # the step time's targets
 
 FULL = Form({"bert-tiny": 1000, "llama-tiny": 1000}, spike_every=300, noise_seeds=(2, 3))
@@ -174,17 +178,22 @@ TASKS = (
 # --------------------------------------------------------------------------- measures
 def module_counts(half: dict[str, list], full: dict[str, list]) -> dict[str, list[int]]:
     """Per module that both captured: [elements, nonzero in float32, of those zero or subnormal
-    in float16 (|x| < 2^-14), of those zero in float16].  inf and NaN in float16 count as
-    neither (an overflowed step's)."""
+    in float16 (|x| < 2^-14), of those zero in float16, of those below 2^-14 at the module's
+    own scale (float32's, times OWN_EDGE over its largest magnitude in any of the module's
+    calls of the step)].  inf and NaN in float16 count as neither (an overflowed step's)."""
     out = {}
     for name, hs in half.items():
-        counts = [0, 0, 0, 0]
-        for h, f in zip(hs, full.get(name, []), strict=False):
+        counts = [0, 0, 0, 0, 0]
+        fs = full.get(name, [])[: len(hs)]
+        largest = max((float(f.abs().max()) for f in fs if f.numel()), default=0.0)
+        own = OWN_EDGE / largest if largest > 0 else 1.0
+        for h, f in zip(hs, fs, strict=False):
             nonzero, mag = f != 0, h.float().abs()
             counts[0] += h.numel()
             counts[1] += int(nonzero.sum())
             counts[2] += int((nonzero & (mag < TINY)).sum())
             counts[3] += int((nonzero & (mag == 0)).sum())
+            counts[4] += int((nonzero & (f.abs() * own < TINY)).sum())
         out[name] = counts
     return out
 
@@ -194,8 +203,8 @@ def _share(part: int, whole: int) -> float | None:
 
 
 def _worst(modules: dict[str, list[int]], k: int) -> dict[str, Any]:
-    """The module with the largest share of count ``k`` (2: subnormal, 3: zero) in its nonzero
-    elements; the first in forward order on a tie."""
+    """The module with the largest share of count ``k`` (2: subnormal, 3: zero, 4: subnormal at
+    its own scale) in its nonzero elements; the first in forward order on a tie."""
     shares = {n: c[k] / c[1] for n, c in modules.items() if c[1]}
     if not shares:
         return {"module": None, "share": None}
@@ -209,22 +218,24 @@ def _figures(measured: list[tuple[int, Any]]) -> dict[str, Any]:
     modules: dict[str, list[int]] = {}
     series = []
     for step, counts in measured:
-        total = [0, 0, 0, 0]
+        total = [0] * 5
         for name, c in counts.items():
-            acc = modules.setdefault(name, [0, 0, 0, 0])
-            for k in range(4):
+            acc = modules.setdefault(name, [0] * 5)
+            for k in range(5):
                 acc[k] += c[k]
                 total[k] += c[k]
         series.append([step, _share(total[2], total[1]), _share(total[3], total[1])])
-    whole = [sum(c[k] for c in modules.values()) for k in range(4)]
+    whole = [sum(c[k] for c in modules.values()) for k in range(5)]
     return {
         "subnormal": _share(whole[2], whole[1]),
         "zero": _share(whole[3], whole[1]),
+        "own_scale": _share(whole[4], whole[1]),
         "worst_subnormal": _worst(modules, 2),
         "worst_zero": _worst(modules, 3),
+        "worst_own_scale": _worst(modules, 4),
         "elements": whole[0],
         "nonzero": whole[1],
-        "modules": modules,  # name: [elements, nonzero, subnormal, zero]
+        "modules": modules,  # name: [elements, nonzero, subnormal, zero, at its own scale]
         "series": series,  # [step, subnormal share, zero share]
     }
 
@@ -452,6 +463,7 @@ def table(result: dict[str, Any], task: str, tablefmt: str) -> str:
         "step 0: subnormal",
         "after step 0: subnormal, whole model / worst module",
         "after step 0: zero, whole model / worst module",
+        "after step 0: subnormal at each module's own scale, whole model / worst module",
         "final loss (minus float32's)",
         "step ms (/ untraced, / traced)",
     ]
@@ -465,7 +477,7 @@ def table(result: dict[str, Any], task: str, tablefmt: str) -> str:
         diff = r.get("loss_minus_float32")
         loss = f"{r['final_loss']:.4f} ({policy._signed(diff)})"
         if "skipped" not in r:  # float32
-            rows.append(row + ["-"] * 5 + [loss, "-"])
+            rows.append(row + ["-"] * 6 + [loss, "-"])
             continue
         s, a = r["skipped"], r["after_start"]
         start = r["activations"]["series"][:1]
@@ -480,6 +492,7 @@ def table(result: dict[str, Any], task: str, tablefmt: str) -> str:
                 policy._pct(start[0][1]) if start and start[0][0] == 0 else "-",
                 _worst_cell(a["subnormal"], a["worst_subnormal"]),
                 _worst_cell(a["zero"], a["worst_zero"]),
+                _worst_cell(a["own_scale"], a["worst_own_scale"]),
                 loss,
                 f"{_ms(step)} ({ratios})",
             ]
@@ -500,7 +513,10 @@ def intro(result: dict[str, Any]) -> str:
         "share of the elements float32 holds nonzero, at step 0 and over the sampled steps "
         "after it (step 0 runs before anything is measured: the headroom policies' at their "
         "starting scale of 1.0, before islands are chosen); zero: of those, zero in float16; "
-        "worst module: the largest share (named from its layer index on). "
+        "worst module: the largest share (named from its layer index on); at each module's "
+        "own scale: below 2^-14 were the module's gradients scaled on their own, their largest "
+        "(float32's, of the step) at 65,504 / 4 (issue 36's per-module ideal): what spans more "
+        "binades than float16 holds, which no loss scale of the module's can hold. "
         "Step ms: the median step, each "
         f"policy's steps timed interleaved with the others' ({f['timing']['rounds']} rounds "
         f"after {f['timing']['warmup']} warm-up steps), over torch default's (the untraced "

@@ -70,33 +70,48 @@ def test_module_counts_follow_the_definition() -> None:
     )
     full = torch.tensor([TINY, TINY, TINY, 1.0, 1e-9, 1.0, 1.0, -TINY, 0.0])
     # nonzero in float32: all but the last; subnormal or zero in float16 among them: 0, 1, 4
-    # and 7 (inf and NaN are neither); zero in float16 among them: 0 and 4
+    # and 7 (inf and NaN are neither); zero in float16 among them: 0 and 4; below 2^-14 with the
+    # largest (1.0) at 65504 / 4: 4 only (1e-9 < 2^-28)
     other = torch.zeros(3, dtype=torch.float16)
     counts = islands.module_counts(
         {"a": [half, half[:2]], "b": [other]}, {"a": [full, full[:2]], "b": [torch.ones(3)]}
     )
-    assert counts == {"a": [11, 10, 6, 3], "b": [3, 3, 3, 3]}
+    assert counts == {"a": [11, 10, 6, 3, 1], "b": [3, 3, 3, 3, 0]}
+    # the own scale is the module's, over all its calls: 2^-20 is out of reach beside 2^10
+    big, small = torch.tensor([2.0**10]), torch.tensor([2.0**-20, 2.0**-17])
+    counts = islands.module_counts({"c": [big.half(), small.half()]}, {"c": [big, small]})
+    assert counts["c"][4] == 1
 
 
 def test_activation_figures_whole_model_worst_modules_and_series() -> None:
     trace = Trace()
     trace.measured = [
-        (0, {"q": [10, 8, 4, 0], "k": [10, 10, 1, 1], "v": [10, 0, 0, 0]}),
-        (5, {"q": [10, 8, 0, 0], "k": [10, 10, 0, 1], "v": [10, 0, 0, 0]}),
+        (0, {"q": [10, 8, 4, 0, 0], "k": [10, 10, 1, 1, 1], "v": [10, 0, 0, 0, 0]}),
+        (5, {"q": [10, 8, 0, 0, 0], "k": [10, 10, 0, 1, 2], "v": [10, 0, 0, 0, 0]}),
     ]
     a = islands.activation_figures(trace)["activations"]
-    assert a["modules"] == {"q": [20, 16, 4, 0], "k": [20, 20, 1, 2], "v": [20, 0, 0, 0]}
+    assert a["modules"] == {
+        "q": [20, 16, 4, 0, 0],
+        "k": [20, 20, 1, 2, 3],
+        "v": [20, 0, 0, 0, 0],
+    }
     assert a["subnormal"] == pytest.approx(5 / 36) and a["zero"] == pytest.approx(2 / 36)
+    assert a["own_scale"] == pytest.approx(3 / 36)
     assert a["worst_subnormal"] == {"module": "q", "share": 0.25}
     assert a["worst_zero"] == {"module": "k", "share": 0.1}
+    assert a["worst_own_scale"] == {"module": "k", "share": 0.15}
     assert a["series"] == [[0, 5 / 18, 1 / 18], [5, 0.0, 1 / 18]]
     assert (a["elements"], a["nonzero"]) == (60, 36)
     # after the start: the sampled steps but the first
     after = islands.activation_figures(trace)["after_start"]
-    assert after["modules"] == {"q": [10, 8, 0, 0], "k": [10, 10, 0, 1], "v": [10, 0, 0, 0]}
+    assert after["modules"] == {
+        "q": [10, 8, 0, 0, 0],
+        "k": [10, 10, 0, 1, 2],
+        "v": [10, 0, 0, 0, 0],
+    }
     assert after["subnormal"] == 0.0 and after["series"] == [[5, 0.0, 1 / 18]]
     # a tie goes to the first module in forward order
-    trace.measured = [(0, {"x": [4, 4, 1, 0], "y": [4, 4, 1, 0]})]
+    trace.measured = [(0, {"x": [4, 4, 1, 0, 0], "y": [4, 4, 1, 0, 0]})]
     assert islands.activation_figures(trace)["activations"]["worst_subnormal"]["module"] == "x"
 
 

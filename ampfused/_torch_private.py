@@ -87,6 +87,13 @@ current_graph_task_id = torch._C._current_graph_task_id
 autograd_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
+# Whether a tensor's elements may share memory: 0 no, 1 yes (an expanded tensor: the gradient of
+# a sum; a window view), 2 too hard to tell.  The statistics kernel reads a tensor element by
+# element and refuses one whose elements overlap; the tracer and the islands give it a packed
+# copy of such a tensor (ampfused/activations.py, packed).  torch._debug_has_internal_overlap,
+# torch 1.1+ (at::has_internal_overlap).
+has_internal_overlap = torch._debug_has_internal_overlap
+
 # The attributes of a DTensor holding its local shard and its spec (a DTensorSpec, whose
 # ``mesh`` and ``placements`` are public): what ``to_local()`` and ``device_mesh``/``placements``
 # return, read by the C++ walk (grad_gather.cpp) for every DTensor gradient of every step (FSDP2,
@@ -102,6 +109,7 @@ __all__ = [
     "compiled_region_active",
     "current_graph_task_id",
     "autograd_sequence_nr",
+    "has_internal_overlap",
     "DTENSOR_LOCAL_ATTR",
     "DTENSOR_SPEC_ATTR",
     "mark_not_traced",

@@ -31,7 +31,7 @@ import torch
 from ampfused import _C, ops
 from ampfused._compile import compiled_region_active, eager, not_traced
 from ampfused._scale_state import READ_ONLY_PASS, unit_state
-from ampfused._torch_private import current_graph_task_id
+from ampfused._torch_private import current_graph_task_id, has_internal_overlap
 from ampfused.islands import select_modules
 
 __all__ = ["Tracer", "floating_tensors"]
@@ -48,6 +48,15 @@ assert _SUBNORMAL == _ZEROS + 1  # (read as one slice)
 
 def _readable(t: torch.Tensor) -> bool:
     return t.dtype in _DTYPES and (t.is_cpu or t.is_cuda) and t.layout == torch.strided
+
+
+def packed(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the statistics kernel can read it, element by element: a packed copy where its
+    elements may share memory (an expanded tensor: the gradient of ``output.sum()``; a window
+    view), else `t` itself.  (A view with gaps is copied too, as the kernel would copy it.)"""
+    if t.is_contiguous() or has_internal_overlap(t) == 0:
+        return t
+    return t.contiguous()
 
 
 def floating_tensors(value: Any) -> list[torch.Tensor]:
@@ -213,6 +222,7 @@ class Tracer:
         outs: list[torch.Tensor],
         ins: list[torch.Tensor],
     ) -> None:
+        outs, ins = [packed(t) for t in outs], [packed(t) for t in ins]
         out = outs[0]
         device = out.device
         if len(outs) == 1 and len(ins) <= 1:  # (most module calls: no generator, no loop)

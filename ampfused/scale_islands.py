@@ -63,7 +63,7 @@ from ampfused._scale_state import (
     headroom_bits,
 )
 from ampfused._torch_private import autograd_sequence_nr
-from ampfused.activations import _in_compiled_code, _Scratch
+from ampfused.activations import _in_compiled_code, _Scratch, packed
 
 __all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
 
@@ -420,6 +420,7 @@ class Islands:
         :attr:`edges`."""
         if not (g.dtype in _EDGE_DTYPES and g.layout == torch.strided and g.device == self.dev):
             return
+        g = packed(g)
         if self._scratch is None:
             self._scratch = _Scratch(g.device)
         table = torch.empty(

@@ -323,6 +323,52 @@ def test_rows_equal_plain_hooks_bit_for_bit(poison):
     assert not any(a[0] == "meta" for a in got)  # a non-tensor output records nothing
 
 
+class Overlapping(nn.Module):
+    """Tensors whose elements share memory: an expanded output, a window view of it, and, the
+    loss being the output's sum, the expanded gradient of the last output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.spread = Spread()
+        self.windows = Windows()
+        self.last = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.windows(self.spread(self.lin(x))))
+
+
+class Spread(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.expand(3, *x.shape)
+
+
+class Windows(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unfold(-1, 4, 2)
+
+
+def test_tensors_whose_elements_share_memory_are_read_element_by_element():
+    """An expanded output, a window view and the gradient of ``output.sum()`` (expanded) are
+    recorded as their elements, as plain hooks read them; the kernel refused them before."""
+    torch.manual_seed(0)
+    model = Overlapping()
+    x = torch.randn(5, 4)
+
+    def run() -> None:
+        (model(x).sum() * 8.0).backward()
+
+    want = _reference_rows(model, run)
+    scaler = ampfused.GradScaler("cpu").watch(model, activations=True)
+    run()
+    got = [
+        (a.module, a.call, a.direction, a.abs_max, a.pos_inf, a.neg_inf, a.nan, a.numel)
+        for a in scaler._watch.report_activations()
+    ]
+    assert sorted(got, key=str) == sorted(want, key=str)
+    assert ("last", 0, "backward", 8.0, 0, 0, 0, 3 * 5 * 3 * 2) in got
+
+
 def test_checkpoint_recomputation_is_not_an_origin():
     class Blow(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -334,6 +334,19 @@ def test_exact_gradients(make: Callable, islands: list[str], factors: dict) -> N
     run.iterations((1, 2))
 
 
+def summed(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    return model(torch.randn(16, 6, generator=torch.Generator().manual_seed(seed))).sum()
+
+
+@pytest.mark.parametrize("island", ["2", "1"], ids=["leaf-at-the-output", "block"])
+def test_exact_with_the_outputs_sum_as_loss(island: str) -> None:
+    """loss = model(x).sum(): the gradient reaching the last output is expanded (its elements
+    share memory); the edges measure it as its elements, and the gradients are exact."""
+    torch.manual_seed(0)
+    run = Exactness(sequential_net(), [island], {island: 32.0}, summed)
+    run.iterations((1, 2))
+
+
 class SameTwice(nn.Module):
     """An island returning one tensor twice: a container (a Linear inside) or a leaf (its own
     weight); the two are summed outside it."""

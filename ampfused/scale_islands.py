@@ -95,9 +95,8 @@ ENTRY, EXIT, INTERIOR = 0, 1, 2
 # values, rearranged, and is measured where it is made): their gradients are not measured again.
 _VIEWS = "View UnsafeView Transpose T Permute Unsqueeze Squeeze Alias ReshapeAlias Clone Contiguous"
 # (and a parameter's gradient: measured in the pass)
-_SAME_VALUES = frozenset(f"{n}Backward0" for n in _VIEWS.split()) | {
-    "torch::autograd::AccumulateGrad"
-}
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_SAME_VALUES = frozenset(f"{n}Backward0" for n in _VIEWS.split()) | {_ACCUMULATE}
 # statistics table columns (ops.STAT_FIELDS) that choose() reads
 ABS_MAX = ops.STAT_FIELDS.index("abs_max")
 NON_FINITE = slice(ABS_MAX + 1, ops.STAT_FIELDS.index("nan") + 1)
@@ -191,7 +190,8 @@ class Islands:
                 self.of_param[id(p)] = k + 1
         self._check_tied(model, where)
         self._of_module: dict[str, int] = {}
-        self.model_params = [p for _, p in model.named_parameters()]  # (keeps the ids valid)
+        self._named_params = list(model.named_parameters())
+        self.model_params = [p for _, p in self._named_params]  # (keeps the ids valid)
         device = next((p.device for p in self.model_params), torch.device("cpu"))
         count = len(self.names)
         # The factors (f, relative to the global scale), their inverses (the pass's island_inv)
@@ -219,9 +219,10 @@ class Islands:
         self.edges: list[tuple[int, int, torch.dtype, torch.Tensor]] = []
         # The island calls open in the forward pass (innermost last): per call, [the island,
         # the autograd sequence number at its start, the nodes of its input views (its exits),
-        # whether its graph can be walked]; and the regions of the island calls that ended
-        # inside an open one (their outputs' nodes -> their exits' nodes), which the enclosing
-        # block's walk leaves to them.
+        # whether its graph can be walked, (input, its view, the view's version) per input,
+        # (f, 1 / f) where the call is not inside its parent by name, else None]; and the
+        # regions of the island calls that ended inside an open one (their outputs' nodes ->
+        # their exits' nodes), which the enclosing block's walk leaves to them.
         self._open: list[list] = []
         self._regions: dict[Any, list] = {}
         self._scratch: _Scratch | None = None
@@ -260,30 +261,22 @@ class Islands:
     # of tracing, and they run eagerly: they read the gradient's statistics)
     def _entering(self, k: int, island: torch.nn.Module) -> Any:
         """The pre-hook: each input that needs a gradient goes in as a view whose gradient
-        (what leaves the island in backward) is multiplied by the island's 1 / f.  It opens
-        the call (:attr:`_open`: the island, the autograd sequence number at its start, its
-        exits' nodes, whether its graph can be walked), which the forward hook closes.
+        (what leaves the island in backward) is multiplied by the island's 1 / f, one view per
+        tensor (a tensor passed twice is one tensor inside too).  It opens the call
+        (:attr:`_open`: the island, the autograd sequence number at its start, its exits'
+        nodes, whether its graph can be walked, its input views with their versions, and its
+        factor where it is not the declared one), which the forward hook closes.
+
+        An island runs at the global scale times its factor wherever it is called: inside its
+        parent island by name, its edges multiply by its factor over the parent's (the shared
+        :attr:`edge`); called elsewhere (outside its parent, inside another island), by its
+        factor over the island it is called in, made for the call.
 
         A copy of the module (``copy.deepcopy`` of the model copies its hooks) is not the
         island: its parameters are not the scaler's, and it runs at the global scale
         untouched.  A ``torch.nn.DataParallel`` replica is refused: its parameters' gradients
         reach the island's own at the global scale, from other threads."""
-        scale = functools.partial(self._exit_grad, k)
         where = f"scale islands: an input of the island {self.names[k]!r}"
-
-        def wrap(v: Any, exits: list | None) -> Any:
-            if isinstance(v, torch.Tensor):
-                if v.requires_grad and v.is_floating_point():
-                    v = v.view_as(v)
-                    v.register_hook(scale)
-                    if exits is not None:
-                        exits.append(v.grad_fn)
-                return v
-            if type(v) in (tuple, list):
-                return type(v)(wrap(x, exits) for x in v)
-            if type(v) is dict:
-                return {key: wrap(x, exits) for key, x in v.items()}
-            return _rebuilt(v, lambda t: wrap(t, exits), where)  # (other containers: rare)
 
         def hook(module: Any, args: tuple, kwargs: dict) -> Any:
             if module is not island:
@@ -302,12 +295,41 @@ class Islands:
             if compiling:
                 for call in self._open:
                     call[3] = False
+            enclosing = self._open[-1][0] if self._open else -1
+            factor = None
+            if enclosing != self.parent[k]:
+                f = self.factor[k] if enclosing < 0 else self.factor[k] / self.factor[enclosing]
+                factor = (f, 1.0 / f)
             exits: list = []
-            self._open.append([k, 0 if compiling else autograd_sequence_nr(), exits, True])
+            views: list = []  # (an input, its view, the view's version)
+            # (under torch.compile the call keeps no tensor: dynamo would guard on them)
+            kept = [] if compiling else views
+            call = [k, 0 if compiling else autograd_sequence_nr(), exits, True, kept, factor]
+            self._open.append(call)
             if not torch.is_grad_enabled():
                 return None
-            kept = None if compiling else exits
-            return wrap(args, kept), wrap(kwargs, kept)
+            scale = functools.partial(self._exit_grad, k, None if factor is None else factor[1])
+
+            def wrap(v: Any) -> Any:
+                if isinstance(v, torch.Tensor):
+                    if not (v.requires_grad and _scaled(v)):
+                        return v
+                    for t, view, _ in views:
+                        if t is v:
+                            return view
+                    view = v.view_as(v)
+                    view.register_hook(scale)
+                    views.append((v, view, view._version))
+                    if not compiling:
+                        exits.append(view.grad_fn)
+                    return view
+                if type(v) in (tuple, list):
+                    return type(v)(wrap(x) for x in v)
+                if type(v) is dict:
+                    return {key: wrap(x) for key, x in v.items()}
+                return _rebuilt(v, wrap, where)  # (other containers: rare)
+
+            return wrap(args), wrap(kwargs)
 
         return hook
 
@@ -316,15 +338,26 @@ class Islands:
         gradient of each output that needs one (what enters the island in backward) is
         multiplied by the island's f, once per tensor (an output holding a tensor twice gets
         one factor).  A leaf module's output tensors get the hook themselves (it runs before a
-        tracer's, registered after it); a block's leave as views with the hook, so that it
-        runs before the hooks a traced child put on the same tensor (a module torch.compile
-        then splits one graph more for), and its interior is measured (:meth:`_interior`)."""
+        tracer's, registered after it); a block's leave through :class:`ScaleIslandOutput` (a
+        view whose backward multiplies), so that it runs before the hooks a traced child put on
+        the same tensor and an in-place op on it is refused, and its interior is measured
+        (:meth:`_interior`).  An input the forward modified in place is refused: its view's
+        gradient would leave without the 1 / f."""
 
         def hook(module: Any, args: tuple, output: Any) -> Any:
             # (the call this pre-hook opened: none where another pre-hook raised before it)
             call = self._open.pop() if self._open and self._open[-1][0] == k else None
             result = None  # (output None: its forward raised)
             if call is not None and output is not None and torch.is_grad_enabled():
+                for _, view, version in call[4]:
+                    if version is not None and view._version != version:
+                        self._regions.clear()
+                        raise RuntimeError(
+                            f"scale islands: the island {self.names[k]!r} modified an input "
+                            "in place (an inplace=True activation, x.add_(...)), so that "
+                            "input's gradient would leave the island without its 1 / f; make "
+                            "that operation out of place, or leave the module out of the islands"
+                        )
                 result = self._leave(k, leaf, output, call)
             if not self._open:  # (the outermost call ended: no walk needs the regions; no
                 # try/finally, which torch.compile splits the graph for)
@@ -334,31 +367,42 @@ class Islands:
         return hook
 
     def _leave(self, k: int, leaf: bool, output: Any, call: list) -> Any:
-        _, start, exits, walkable = call
-        scale = functools.partial(self._entry_grad, k)
+        _, start, exits, walkable, views, factor = call
+        f = None if factor is None else factor[0]
+        scale = functools.partial(self._entry_grad, k, f)
+        # (torch.compiler.is_compiling() read where needed: a local holding it across the
+        # graph break at register_hook made dynamo compile this frame again for each call)
         seen: dict[int, torch.Tensor] = {}
-        if leaf:
+        # (a leaf returning an input as it came: that view carries the exit's hook, and the
+        # entry's goes on a view of its own, as a block's; under torch.compile, views is empty)
+        if leaf and not (views and _holds_any(output, [view for _, view, _ in views])):
             for t in _tensors(output):
-                if t.requires_grad and t.is_floating_point() and id(t) not in seen:
+                if t.requires_grad and _scaled(t) and id(t) not in seen:
                     seen[id(t)] = t
                     t.register_hook(scale)
             result = None
         else:
-            if walkable and not torch.compiler.is_compiling():
+            if not leaf and walkable and not torch.compiler.is_compiling():
                 self._interior(k, output, start, exits)
 
             def wrap(t: torch.Tensor) -> torch.Tensor:
-                if not (t.requires_grad and t.is_floating_point()):
+                if not (t.requires_grad and _scaled(t)):
                     return t
                 view = seen.get(id(t))
                 if view is None:
-                    view = seen[id(t)] = t.view_as(t)
-                    view.register_hook(scale)
+                    if torch.compiler.is_compiling():  # (the Function's backward is traced)
+                        view = t.view_as(t)
+                        view.register_hook(scale)
+                    else:
+                        view = ScaleIslandOutput.apply(t, self, k, f)
+                    seen[id(t)] = view
                 return view
 
             result = _rebuilt(output, wrap, f"scale islands: the output of {self.names[k]!r}")
-        if self._open and not torch.compiler.is_compiling():  # (inside an enclosing island's
-            # call: its walk leaves this region to it)
+        if (
+            self._open and not torch.compiler.is_compiling()
+        ):  # (inside an enclosing island's call: its walk
+            # leaves this region to it)
             for t in seen.values():
                 if t.grad_fn is not None:
                     self._regions[t.grad_fn] = exits
@@ -369,9 +413,15 @@ class Islands:
         (an attention's scores and softmax, an activation function), walked from its outputs to
         its exits, each given a hook that measures the float16 gradient of what it made (at the
         island's scale: its factor is then bounded by every gradient inside it, not only its
-        modules').  Left out: nodes made before the call (a tensor from outside), the regions of
-        islands nested in it (measured by their own), views that keep every value, and the
-        parameters' (measured in the pass)."""
+        modules').  Left out: the regions of islands nested in it (measured by their own),
+        views that keep every value, and the parameters' (measured in the pass).
+
+        Refused: a parameter the island does not hold, read inside it (a parameter of a module
+        outside it, or of an island nested in it read directly), and a tensor made before the
+        call that reaches it other than as an input (an attribute, a closure): their gradients
+        would carry its factor where the outside expects the global scale.  A tensor made
+        before the call from the island's own parameters alone (autocast's cached cast of a
+        weight, from an earlier call) is its own."""
         measure = functools.partial(self._interior_grad, k)
         stop = {id(n) for n in exits}
         seen: dict[int, Any] = {}  # (the nodes held: an id is not reused while walking)
@@ -385,11 +435,59 @@ class Islands:
             if inner is not None:  # (a nested island: on from its exits)
                 stack.extend(n for e in inner for n, _ in e.next_functions)
                 continue
-            if node._sequence_nr() < start:  # (made before the call: outside the island)
+            name = node.name()
+            if name == _ACCUMULATE:
+                self._check_own(k, node)
                 continue
-            if node.name() not in _SAME_VALUES:
+            if node._sequence_nr() < start:  # (made before the call)
+                self._check_made_from_own(k, node)
+                continue
+            if name not in _SAME_VALUES:
                 node.register_prehook(measure)
             stack.extend(n for n, _ in node.next_functions)
+
+    def _check_own(self, k: int, node: Any) -> None:
+        """A parameter's gradient node reached inside island k: the parameter must be k's."""
+        j = self.of_param.get(id(node.variable), 0)
+        if j != k + 1:
+            holder = f"the island {self.names[j - 1]!r}" if j else "no island"
+            raise RuntimeError(
+                f"scale islands: the island {self.names[k]!r} reads the parameter "
+                f"{self._param_name(node.variable)}, which {holder} holds, directly inside "
+                "its forward: its gradient would carry the wrong factor.  Name as the island "
+                "the module that holds every parameter its forward reads, or leave it out"
+            )
+
+    def _check_made_from_own(self, k: int, node: Any) -> None:
+        """A node made before island k's call, reached from inside it: only its own
+        parameters may lie behind it (autocast's cached cast of one of its weights)."""
+        stack, seen = [node], 0
+        while stack:
+            n = stack.pop()
+            if n is None:
+                continue
+            if n.name() == _ACCUMULATE:
+                if self.of_param.get(id(n.variable), 0) != k + 1:
+                    break
+                continue
+            seen += 1
+            if seen > 64 or not n.next_functions:
+                break
+            stack.extend(m for m, _ in n.next_functions)
+        else:
+            return
+        raise RuntimeError(
+            f"scale islands: the island {self.names[k]!r} reads a tensor that needs a gradient "
+            f"and was made before its call ({node.name()}), not as an input (an attribute or "
+            "a closure holding it): its gradient would leave the island without its 1 / f.  "
+            "Pass the tensor to the module's forward, or leave the module out of the islands"
+        )
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        for n, q in self._named_params:
+            if q is p:
+                return n
+        return f"of shape {tuple(p.shape)}"
 
     @not_traced
     def _interior_grad(self, k: int, grads: tuple) -> None:
@@ -401,18 +499,18 @@ class Islands:
         return None
 
     @not_traced
-    def _exit_grad(self, k: int, g: torch.Tensor) -> torch.Tensor:
+    def _exit_grad(self, k: int, inv: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
         if _in_compiled_code():
-            return eager(Islands._exit_grad)(self, k, g)
+            return eager(Islands._exit_grad)(self, k, inv, g)
         self._record(k, EXIT, g)  # (at the island's scale: what its backward made)
-        return g * self.edge_inv[k]
+        return g * (self.edge_inv[k] if inv is None else inv)
 
     @not_traced
-    def _entry_grad(self, k: int, g: torch.Tensor) -> torch.Tensor:
+    def _entry_grad(self, k: int, f: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
         if _in_compiled_code():
-            return eager(Islands._entry_grad)(self, k, g)
+            return eager(Islands._entry_grad)(self, k, f, g)
         self._record(k, ENTRY, g)  # (before the factor: what arrives)
-        return g * self.edge[k]
+        return g * (self.edge[k] if f is None else f)
 
     def _record(self, k: int, edge: int, g: torch.Tensor) -> None:
         """The statistics of a gradient crossing island k's edge before its factor (ENTRY:
@@ -676,6 +774,32 @@ def fresh_row(scale_bits: int = 0, hysteresis_left: int = 0) -> list[int]:
     row = [0] * CEILING + headroom_bits(FRESH_HEADROOM_STATE)
     row[0], row[HYSTERESIS_LEFT] = scale_bits, hysteresis_left
     return row
+
+
+def _scaled(t: torch.Tensor) -> bool:
+    """Whether an island's edge scales `t`'s gradient: floating point and complex tensors."""
+    return t.is_floating_point() or t.dtype.is_complex
+
+
+class ScaleIslandOutput(torch.autograd.Function):
+    """A block island's output as the forward returns it: a view whose gradient (what enters
+    the island in backward) is multiplied by the island's factor (the shared edge factor, or
+    the call's `f`).  Made in a Function, whose views autograd refuses to modify in place: an
+    in-place op on a hooked view would take its gradient around the factor."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, islands: Islands, k: int, f: Any) -> torch.Tensor:
+        ctx.islands, ctx.k, ctx.f = islands, k, f
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return ctx.islands._entry_grad(ctx.k, ctx.f, g), None, None, None
+
+
+def _holds_any(value: Any, tensors: list) -> bool:
+    """Whether `value` holds one of `tensors` itself (not a view of it)."""
+    return any(t is u for t in _tensors(value) for u in tensors)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -516,6 +516,299 @@ def test_regrouped_sums_differ_only_by_rounding() -> None:
         torch.testing.assert_close(got[n], g)
 
 
+# ------------------------------------------------------------------------------- 1b. calls
+class Gate(nn.Module):
+    """A leaf returning its input as it came, beside its result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w * x, x
+
+
+class GateNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), Gate(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, skip = self.mid(self.inp(x))
+        return self.out(torch.tanh(a) + skip)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.own = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own(torch.tanh(self.inner(x)))
+
+
+class InnerAlsoOutside(nn.Module):
+    """outer.inner, an island nested in outer by name, also called outside outer."""
+
+    def __init__(self, inside: bool = True) -> None:
+        super().__init__()
+        self.inside = inside
+        self.inp, self.outer, self.out = nn.Linear(6, 8), Outer(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        direct = self.outer.inner(h)
+        return self.out(self.outer(h) + direct if self.inside else direct)
+
+
+class CallsShared(nn.Module):
+    """Calls a module it does not hold by name (island `b`, called inside island `a`)."""
+
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self._shared = [shared]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._shared[0](torch.tanh(self.lin(x)))
+
+
+class Siblings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.b, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.a = CallsShared(self.b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(self.inp(x)) + self.b(self.inp(x)))
+
+
+class ToComplex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_complex(self.lin(x).reshape(*x.shape[:-1], 4, 2))
+
+
+class ComplexNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), ToComplex(), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(self.inp(x)).abs())
+
+
+@pytest.mark.parametrize(
+    ("make", "islands", "factors"),
+    [
+        pytest.param(GateNet, ["mid"], {"mid": 64.0}, id="leaf-returning-its-input"),
+        pytest.param(
+            InnerAlsoOutside,
+            ["outer", "outer.inner"],
+            {"outer": 64.0, "outer.inner": 4.0},
+            id="nested-island-also-called-outside-its-parent",
+        ),
+        pytest.param(
+            lambda: InnerAlsoOutside(inside=False),
+            ["outer", "outer.inner"],
+            {"outer": 64.0, "outer.inner": 4.0},
+            id="nested-island-called-only-outside-its-parent",
+        ),
+        pytest.param(
+            Siblings, ["a", "b"], {"a": 64.0, "b": 4.0}, id="island-called-inside-another"
+        ),
+        pytest.param(ComplexNet, ["mid"], {"mid": 64.0}, id="complex-output-block"),
+        pytest.param(ComplexNet, ["mid.lin"], {"mid.lin": 64.0}, id="complex-output-leaf"),
+    ],
+)
+def test_exact_wherever_and_however_an_island_is_called(
+    make: Callable, islands: list[str], factors: dict
+) -> None:
+    """An island runs at the global scale times its own factor wherever it is called (outside
+    its parent by name, inside an island that is not its parent); a leaf returning its input,
+    and complex outputs, keep their factor."""
+    torch.manual_seed(0)
+    run = Exactness(make(), islands, factors, mse)
+    run.iterations((1, 2))
+
+
+class Probe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.same: tuple = ()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.same = (q is k, k is v)
+        return self.lin(q) + k * v
+
+
+class SelfAttending(nn.Module):
+    def __init__(self, mid: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), mid, nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        y = self.mid(h, h, h)
+        return self.out(y[0] if isinstance(y, tuple) else y)
+
+
+def seq_mse(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 3, generator=g)
+    return ((model(x) - y) ** 2).mean()
+
+
+def test_a_tensor_passed_twice_is_one_tensor_inside() -> None:
+    """mha(x, x, x): the island receives one view, so `query is key` holds inside it as without
+    islands, and nn.MultiheadAttention takes its self-attention path: exact."""
+    torch.manual_seed(0)
+    model = SelfAttending(Probe())
+    run = Exactness(model, ["mid"], {"mid": 64.0}, seq_mse)
+    assert model.mid.same == (True, True)
+    torch.manual_seed(0)
+    run = Exactness(
+        SelfAttending(nn.MultiheadAttention(8, 2, batch_first=True)),
+        ["mid"],
+        {"mid": 64.0},
+        seq_mse,
+    )
+    run.iterations((1, 2))
+
+
+class InPlaceAfter(nn.Module):
+    def __init__(self, mid: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), mid, nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.inp(x))
+        return self.out(h.relu_())
+
+
+class AddsToInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.bias) * 2.0
+
+
+class ReluFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.lin = nn.ReLU(inplace=True), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.act(x))
+
+
+def test_an_in_place_op_on_an_islands_output_outside_it() -> None:
+    """A leaf island's output modified in place keeps its factor (the hook stays on the value
+    before the op): exact.  A block's output is a view made in a Function whose in-place
+    modification autograd refuses: its gradient would go around the factor."""
+    torch.manual_seed(0)
+    Exactness(InPlaceAfter(nn.Linear(8, 8)), ["mid"], {"mid": 64.0}, mse).iterations((1,))
+    torch.manual_seed(0)
+    model = InPlaceAfter(Outer())
+    scaler = scaler_with(["mid"])
+    scaler.watch(model, activations=True)
+    with pytest.raises(RuntimeError, match="ScaleIslandOutput is a view and is being modified"):
+        mse(model)
+
+
+@pytest.mark.parametrize("mid", [AddsToInput, ReluFirst], ids=["leaf", "block"])
+def test_an_island_modifying_its_input_in_place_is_refused(mid: Callable) -> None:
+    """Its input's view, modified in place, would take the gradient out around the 1 / f."""
+    torch.manual_seed(0)
+    model = InPlaceAfter(mid())
+    model.forward = lambda x: model.out(model.mid(torch.tanh(model.inp(x))))  # type: ignore
+    scaler = scaler_with(["mid"])
+    scaler.watch(model, activations=True)
+    with pytest.raises(RuntimeError, match="'mid' modified an input in place"):
+        mse(model)
+    assert not scaler._island_set.islands._open
+
+
+class Remembers(nn.Module):
+    """Reads a tensor set on it before its call (not an argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.memory: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.memory is not None
+        return self.lin(x) + self.memory
+
+
+class ReadsAWeight(nn.Module):
+    """Reads the weight of a module outside it directly."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self._other = [other]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self._other[0].weight.t()
+
+
+class Reads(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.inp, self.enc, self.out = nn.Linear(6, 8), nn.Linear(6, 8), nn.Linear(8, 3)
+        self.how = how
+        self.mid = Remembers() if how == "tensor" else ReadsAWeight(self.out_proj())
+
+    def out_proj(self) -> nn.Linear:
+        self.other = nn.Linear(8, 8)
+        return self.other
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "tensor":
+            self.mid.memory = self.enc(x)
+            return self.out(self.mid(self.inp(x)))
+        return self.out(self.mid(self.inp(x)) + self.other(self.enc(x)))
+
+
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [("tensor", "made before its call .* not as an input"), ("weight", "other.weight")],
+)
+def test_a_block_reading_what_is_not_its_own_is_refused(how: str, match: str) -> None:
+    """A block island's walk finds a tensor made before its call reaching it other than as an
+    input, or a parameter it does not hold: its gradient would carry the wrong factor."""
+    torch.manual_seed(0)
+    model = Reads(how)
+    scaler = scaler_with(["mid"])
+    scaler.watch(model, activations=True)
+    with pytest.raises(RuntimeError, match=match):
+        mse(model)
+
+
+def test_a_block_called_twice_under_autocast_reads_its_cached_weights() -> None:
+    """autocast casts a weight once per region: the second call of a block reads the cast the
+    first made (before its call), which is its own."""
+    torch.manual_seed(0)
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = scaler_with(["block"])
+    scaler.watch(model, activations=True)
+
+    def loss(m: nn.Module, seed: int) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=F16):
+            return mse(m, seed)
+
+    assert train(model, opt, scaler, range(3), loss) == [False, False, False]
+
+
 # ------------------------------------------------------------------------------- 2. refusals
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),

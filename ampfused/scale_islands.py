@@ -435,16 +435,17 @@ class Islands:
             if inner is not None:  # (a nested island: on from its exits)
                 stack.extend(n for e in inner for n, _ in e.next_functions)
                 continue
+            if node._sequence_nr() < start:  # (made before the call; a parameter's node is
+                # numbered after every other)
+                self._check_made_from_own(k, node)
+                continue
             name = node.name()
             if name == _ACCUMULATE:
                 self._check_own(k, node)
                 continue
-            if node._sequence_nr() < start:  # (made before the call)
-                self._check_made_from_own(k, node)
-                continue
             if name not in _SAME_VALUES:
                 node.register_prehook(measure)
-            stack.extend(n for n, _ in node.next_functions)
+            stack += [n for n, _ in node.next_functions]
 
     def _check_own(self, k: int, node: Any) -> None:
         """A parameter's gradient node reached inside island k: the parameter must be k's."""

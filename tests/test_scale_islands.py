@@ -680,6 +680,21 @@ def test_a_tensor_passed_twice_is_one_tensor_inside() -> None:
     run.iterations((1, 2))
 
 
+def test_autograd_grad_of_the_scaled_loss_carries_the_islands_factor() -> None:
+    """torch's gradient-penalty recipe, autograd.grad(scaler.scale(loss), parameters): an island
+    parameter's gradient comes at the scale times its factor, and divided by both (the docs'
+    recipe) equals torch's divided by its scale, bit for bit."""
+    torch.manual_seed(0)
+    run = Exactness(Inside(), ["block"], {"block": 32.0}, mse)
+    params = dict(run.model.named_parameters())
+    got = torch.autograd.grad(run.scaler.scale(mse(run.model, 1)), list(params.values()))
+    ref = torch.autograd.grad(run.ref_scaler.scale(mse(run.ref, 1)), list(run.ref.parameters()))
+    factors = run.scaler.island_factors()
+    for (name, _), g, r in zip(params.items(), got, ref, strict=True):
+        divisor = run.scaler.get_scale() * island_factor(name, factors)
+        assert torch.equal(g / divisor, r / run.ref_scaler.get_scale()), name
+
+
 class InPlaceAfter(nn.Module):
     def __init__(self, mid: nn.Module) -> None:
         super().__init__()

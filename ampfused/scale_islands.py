@@ -314,6 +314,14 @@ class Islands:
                 if isinstance(v, torch.Tensor):
                     if not (v.requires_grad and _scaled(v)):
                         return v
+                    if v.device != self.dev:
+                        raise RuntimeError(
+                            f"scale islands: the island {self.names[k]!r} runs on {v.device}, "
+                            f"its factors are on {self.dev} (the model's device when watch() "
+                            "was called); call scaler.watch(model, activations=True) again "
+                            "after moving the model, or keep an island's gradients on the "
+                            "scale's device"
+                        )
                     for t, view, _ in views:
                         if t is v:
                             return view

@@ -750,6 +750,24 @@ def test_an_island_modifying_its_input_in_place_is_refused(mid: Callable) -> Non
     assert not scaler._island_set.islands._open
 
 
+def test_a_model_moved_after_watch_is_told_to_watch_again() -> None:
+    """The islands' factors live on the model's device when watch() is called: a model moved
+    afterwards (built on meta, then to_empty) is told to watch again, and trains once it has."""
+    with torch.device("meta"):
+        model = sequential_net()
+    scaler = scaler_with(["1"])
+    scaler.watch(model, activations=True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.3)
+    with pytest.raises(RuntimeError, match=r"on cpu, its factors are on meta .*watch\(model"):
+        mse(model)
+    scaler.watch(model, activations=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    assert train(model, opt, scaler, range(2), mse) == [False, False]
+
+
 class Remembers(nn.Module):
     """Reads a tensor set on it before its call (not an argument)."""
 

@@ -104,6 +104,9 @@ SUBNORMAL = ops.STAT_FIELDS.index("subnormal")
 _EDGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = len(ops.STAT_FIELDS)
 _FACTOR_EXPONENT = 100  # factors are kept within 2^-100 .. 2^100
+# The edge tables kept between updates before they are reduced to one per island, edge and dtype
+# (Islands._compact): backward passes without an update() would otherwise pile them up.
+EDGES_KEPT = 4096
 
 
 def check_islands_argument(where: str, islands: Any, policy: str, scaling: bool) -> Any:
@@ -538,6 +541,24 @@ class Islands:
         if _C.scaler_pass_(*args) is not None:  # (NotImplemented: a mode, a subclass)
             torch.ops.ampfused.scaler_pass_.default(*args)
         self.edges.append((k + 1, edge, g.dtype, table))
+        if len(self.edges) >= EDGES_KEPT:
+            self._compact()
+
+    def _compact(self) -> None:
+        """:attr:`edges` reduced to one table per (island, edge, dtype), of one row: the
+        largest magnitude and the summed counts, all prepare_next reads of them (many backward
+        passes without an update(): a loop of saliency maps, evaluation with gradients)."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for k, edge, dtype, table in self.edges:
+            groups.setdefault((k, edge, dtype), []).append(table[1:])
+        compacted = []
+        for (k, edge, dtype), parts in groups.items():
+            rows = torch.cat(parts)
+            table = torch.zeros(2, _FIELDS, dtype=torch.float64, device=rows.device)
+            table[1] = rows.sum(0)
+            table[1, ABS_MAX] = rows[:, ABS_MAX].max()
+            compacted.append((k, edge, dtype, table))
+        self.edges = compacted
 
     # -- membership
     def island_of_module(self, name: str) -> int:

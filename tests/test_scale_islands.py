@@ -1199,6 +1199,40 @@ def factors_of(scaler: ampfused.GradScaler) -> dict[str, float]:
     return scaler.island_factors()
 
 
+def test_edges_of_many_backward_passes_are_reduced_to_the_same_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Backward passes without an update() (a loop of saliency maps) keep the edge tables to a
+    bounded number, reduced per island, edge and dtype: the update then reads what it would
+    have read from them all, bit for bit."""
+    states = []
+    for kept in (10**6, 5):
+        monkeypatch.setattr(ampfused.scale_islands, "EDGES_KEPT", kept)
+        model, opt, scaler = fresh(["quiet"], seed=0)
+        scaler.watch(model, activations=True)
+        train(model, opt, scaler, range(2))
+        islands = scaler._island_set.islands
+        most = 0
+        for seed in range(2, 8):
+            scaler.scale(f16_loss(model, seed)).backward()
+            most = max(most, len(islands.edges))
+        scaler.unscale_(opt)
+        scaler.update()
+        assert (most < 5) == (kept == 5), most
+        states.append(islands.state.clone())
+    assert torch.equal(states[0], states[1])
+    # the reduction itself: the largest magnitude, the summed counts (inf and NaN among them)
+    head = [0.0] * 7
+    rows = [[1.0, 3.0, 0, 0, 1, 2, 0], [2.0, 5.0, 1, 0, 0, 0, 3], [4.0, 1.0, 0, 2, 0, 1, 1]]
+    table = torch.tensor([head, *rows[:2]], dtype=torch.float64)
+    islands.edges = [(1, 0, F16, table), (1, 0, F16, torch.tensor([head, rows[2]]).double())]
+    islands.edges.append((1, 1, F16, table.clone()))
+    islands._compact()
+    assert [(k, e, d) for k, e, d, _ in islands.edges] == [(1, 0, F16), (1, 1, F16)]
+    assert islands.edges[0][3].tolist() == [head, [7.0, 5.0, 1, 2, 1, 3, 4]]
+    assert islands.edges[1][3].tolist() == [head, [3.0, 5.0, 1, 0, 1, 2, 3]]
+
+
 # ------------------------------------------------------------------------------- 3. checkpoints
 def fresh(islands: object, seed: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(seed)

@@ -290,6 +290,16 @@ def _reference_rows(model: nn.Module, run) -> list[tuple]:  # noqa: ANN001
     return [(*key, *values) for key, values in rows.items()]
 
 
+def _traced_rows(model: nn.Module, run) -> list[tuple]:  # noqa: ANN001
+    """What tracing records of one run(), as _reference_rows gives it."""
+    scaler = ampfused.GradScaler("cpu").watch(model, activations=True)
+    run()
+    return [
+        (a.module, a.call, a.direction, a.abs_max, a.pos_inf, a.neg_inf, a.nan, a.numel)
+        for a in scaler._watch.report_activations()
+    ]
+
+
 @pytest.mark.parametrize("poison", ["none", "inf", "nan"])
 def test_rows_equal_plain_hooks_bit_for_bit(poison):
     torch.manual_seed(0)
@@ -304,12 +314,7 @@ def test_rows_equal_plain_hooks_bit_for_bit(poison):
         (loss.float() * 8.0).backward()
 
     want = _reference_rows(model, run)
-    scaler = ampfused.GradScaler("cpu").watch(model, activations=True)
-    run()
-    got = [
-        (a.module, a.call, a.direction, a.abs_max, a.pos_inf, a.neg_inf, a.nan, a.numel)
-        for a in scaler._watch.report_activations()
-    ]
+    got = _traced_rows(model, run)
     assert sorted(got, key=str) == sorted(want, key=str)
     # a row per call, the shared layer's two calls apart; the tuple's tensors together
     assert {(a[0], a[1], a[2]) for a in got} >= {
@@ -359,12 +364,7 @@ def test_tensors_whose_elements_share_memory_are_read_element_by_element():
         (model(x).sum() * 8.0).backward()
 
     want = _reference_rows(model, run)
-    scaler = ampfused.GradScaler("cpu").watch(model, activations=True)
-    run()
-    got = [
-        (a.module, a.call, a.direction, a.abs_max, a.pos_inf, a.neg_inf, a.nan, a.numel)
-        for a in scaler._watch.report_activations()
-    ]
+    got = _traced_rows(model, run)
     assert sorted(got, key=str) == sorted(want, key=str)
     assert ("last", 0, "backward", 8.0, 0, 0, 0, 3 * 5 * 3 * 2) in got
 

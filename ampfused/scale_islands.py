@@ -173,6 +173,13 @@ class Islands:
                     f"{where}: the island '' is the whole model, which is the global scale "
                     "itself; name the modules inside it"
                 )
+            if not _called(modules[n]):
+                raise ValueError(
+                    f"{where}: islands names {n!r}, a {type(modules[n]).__name__} with no "
+                    "forward of its own (a container: its modules are called, never it), so "
+                    "its hooks would never run while its parameters' gradients were unscaled "
+                    "by its factor; name the modules inside it"
+                )
         if len(set(names)) != len(names):
             raise ValueError(f"{where}: islands names a module twice: {names!r}")
         # Outer islands first, so an island's parent (the innermost enclosing one) comes before
@@ -195,6 +202,7 @@ class Islands:
         self._of_module: dict[str, int] = {}
         self._named_params = list(model.named_parameters())
         self.model_params = [p for _, p in self._named_params]  # (keeps the ids valid)
+        self._param_ids = {id(p) for p in self.model_params}
         device = next((p.device for p in self.model_params), torch.device("cpu"))
         count = len(self.names)
         # The factors (f, relative to the global scale), their inverses (the pass's island_inv)
@@ -459,9 +467,11 @@ class Islands:
             stack += [n for n, _ in node.next_functions]
 
     def _check_own(self, k: int, node: Any) -> None:
-        """A parameter's gradient node reached inside island k: the parameter must be k's."""
+        """A leaf's gradient node reached inside island k: a parameter of the model must be
+        k's.  (Another leaf may be made inside the call: a bias of zeros that needs a gradient,
+        as T5's attention makes under activation checkpointing.)"""
         j = self.of_param.get(id(node.variable), 0)
-        if j != k + 1:
+        if j != k + 1 and id(node.variable) in self._param_ids:
             holder = f"the island {self.names[j - 1]!r}" if j else "no island"
             raise RuntimeError(
                 f"scale islands: the island {self.names[k]!r} reads the parameter "
@@ -480,7 +490,7 @@ class Islands:
                 continue
             if n.name() == _ACCUMULATE:
                 if self.of_param.get(id(n.variable), 0) != k + 1:
-                    break
+                    break  # (a leaf made before the call: a parameter or not, not its own)
                 continue
             seen += 1
             if seen > 64 or not n.next_functions:
@@ -806,6 +816,12 @@ def fresh_row(scale_bits: int = 0, hysteresis_left: int = 0) -> list[int]:
     return row
 
 
+def _called(module: torch.nn.Module) -> bool:
+    """Whether `module` has a forward of its own (ModuleList, ModuleDict and other containers
+    have none: only their modules are called)."""
+    return type(module).forward is not torch.nn.Module.forward
+
+
 def _scaled(t: torch.Tensor) -> bool:
     """Whether an island's edge scales `t`'s gradient: floating point and complex tensors."""
     return t.is_floating_point() or t.dtype.is_complex
@@ -967,7 +983,12 @@ def choose(model: torch.nn.Module, rows: list) -> list[str] | None:
     name_of = {id(m): n for n, m in modules.items()}  # (a module held twice: its first name)
     for name, module in modules.items():
         children = list(module.children())
-        if not name or not children or any(next(c.children(), None) is not None for c in children):
+        if (
+            not name
+            or not children
+            or not _called(module)
+            or any(next(c.children(), None) is not None for c in children)
+        ):
             continue
         traced = [name_of[id(c)] for c in children if name_of[id(c)] in tops]
         held = [c for c in traced if c in leaves]

@@ -826,6 +826,25 @@ def test_a_block_reading_what_is_not_its_own_is_refused(how: str, match: str) ->
         mse(model)
 
 
+class MakesALeaf(nn.Module):
+    """Makes a leaf that needs a gradient inside its forward (T5's attention does, for its
+    position bias, under activation checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros(8, requires_grad=True)
+        return self.lin(x) + bias
+
+
+def test_a_block_making_a_leaf_of_its_own_is_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), MakesALeaf(), nn.Tanh(), nn.Linear(8, 3))
+    Exactness(model, ["1"], {"1": 16.0}, mse).iterations((1, 2))
+
+
 def test_a_block_called_twice_under_autocast_reads_its_cached_weights() -> None:
     """autocast casts a weight once per region: the second call of a block reads the cast the
     first made (before its call), which is its own."""
@@ -894,6 +913,21 @@ class TiedOut(nn.Module):
         return self.head(self.block(self.inp(x)))[:, :3]
 
 
+class Stacked(nn.Module):
+    """Layers in a ModuleList, called one by one (the list itself never is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.out(h)
+
+
 @pytest.mark.parametrize(
     ("islands", "make", "match"),
     [
@@ -912,6 +946,12 @@ class TiedOut(nn.Module):
         ),
         pytest.param(
             ["block.0"], TiedOut, r"head\.weight is shared by the island 'block\.0'", id="tied-leaf"
+        ),
+        pytest.param(
+            ["layers"],
+            Stacked,
+            r"'layers', a ModuleList with no forward of its own .* name the modules inside it",
+            id="container",
         ),
     ],
 )
@@ -1725,6 +1765,34 @@ def test_auto_makes_a_block_an_island_only_where_all_its_leaves_are_quiet() -> N
     chosen = factors_of(scaler)
     assert "quiet" in chosen and "mixed.c" in chosen, chosen
     assert "mixed" not in chosen and "mixed.d" not in chosen, chosen
+
+
+class QuietStack(nn.Module):
+    """QuietNet's quiet block as a ModuleList, its layers called in a loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        q = h
+        for layer in self.layers:
+            q = torch.relu(layer(q))
+        return self.head(torch.tanh(h + q * QUIET))
+
+
+def test_auto_does_not_make_a_container_an_island() -> None:
+    """A ModuleList of quiet leaves looks like a block of leaves, but is never called: auto
+    takes its leaves, not it."""
+    torch.manual_seed(0)
+    model = QuietStack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = scaler_with("auto").watch(model, activations=True)
+    train(model, opt, scaler, range(4))
+    chosen = factors_of(scaler)
+    assert "layers" not in chosen and {"layers.0", "layers.1"} <= set(chosen), chosen
 
 
 class Raising(nn.Module):

@@ -94,6 +94,23 @@ autograd_sequence_nr = torch._C._autograd._get_sequence_nr
 # torch 1.1+ (at::has_internal_overlap).
 has_internal_overlap = torch._debug_has_internal_overlap
 
+
+def register_hook_first(t: torch.Tensor, hook: Any) -> Any:
+    """``t.register_hook(hook)``, run before the hooks already on `t`: a block island's factor
+    on its output (ampfused/scale_islands.py) must apply before the hooks its modules put on
+    the same tensor in their own forward hooks (a tracer's, a nested island's).  A non-leaf
+    tensor's hooks are the ``OrderedDict`` ``Tensor._backward_hooks`` (torch 1.0+;
+    ``register_hook`` itself fills it), which autograd calls in the order of the plain dict
+    beneath (``move_to_end`` does not change that one): emptied and filled again, ours first."""
+    handle = t.register_hook(hook)
+    hooks = t._backward_hooks
+    others = [(key, h) for key, h in hooks.items() if key != handle.id]
+    hooks.clear()
+    hooks[handle.id] = hook
+    hooks.update(others)
+    return handle
+
+
 # The attributes of a DTensor holding its local shard and its spec (a DTensorSpec, whose
 # ``mesh`` and ``placements`` are public): what ``to_local()`` and ``device_mesh``/``placements``
 # return, read by the C++ walk (grad_gather.cpp) for every DTensor gradient of every step (FSDP2,
@@ -110,6 +127,7 @@ __all__ = [
     "current_graph_task_id",
     "autograd_sequence_nr",
     "has_internal_overlap",
+    "register_hook_first",
     "DTENSOR_LOCAL_ATTR",
     "DTENSOR_SPEC_ATTR",
     "mark_not_traced",

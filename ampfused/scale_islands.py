@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,7 +63,7 @@ from ampfused._scale_state import (
     STATE_SIZE,
     headroom_bits,
 )
-from ampfused._torch_private import autograd_sequence_nr
+from ampfused._torch_private import autograd_sequence_nr, register_hook_first
 from ampfused.activations import _in_compiled_code, _Scratch, packed
 
 __all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
@@ -159,7 +160,9 @@ class Islands:
     scaler state row, the scale in force inside it = global scale times its factor), its
     factor, and which parameters and traced modules belong to it."""
 
-    def __init__(self, model: torch.nn.Module, names: Iterable[str], where: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, names: Iterable[str], where: str, forgiving: bool = False
+    ) -> None:
         modules = dict(model.named_modules())
         names = list(names)
         for n in names:
@@ -212,6 +215,11 @@ class Islands:
         self.inv = torch.ones(count, dtype=torch.float32, device=device)
         self.edge = torch.ones(count, dtype=torch.float32, device=device)
         self.edge_inv = torch.ones(count, dtype=torch.float32, device=device)
+        # ("auto"'s islands, `forgiving`: one that modifies an input in place is pinned at
+        # factor 1 instead of refused, :meth:`_modified_input`)
+        self.forgiving = forgiving
+        self.pinned = torch.zeros(count, dtype=torch.bool, device=device)
+        self._pinned = [False] * count  # (the same, on the host)
         self.state: torch.Tensor | None = None  # [count, STATE_SIZE] int32, made with the scale's
         self.next: torch.Tensor | None = None
         self.loaded: list | None = None  # a checkpoint's rows, for the lazy init
@@ -306,20 +314,19 @@ class Islands:
             if compiling:
                 for call in self._open:
                     call[3] = False
+            # (called elsewhere than inside its parent: the island it is called in, read at
+            # backward time, as the shared edges are)
             enclosing = self._open[-1][0] if self._open else -1
-            factor = None
-            if enclosing != self.parent[k]:
-                f = self.factor[k] if enclosing < 0 else self.factor[k] / self.factor[enclosing]
-                factor = (f, 1.0 / f)
+            elsewhere = None if enclosing == self.parent[k] else enclosing
             exits: list = []
             views: list = []  # (an input, its view, the view's version)
             # (under torch.compile the call keeps no tensor: dynamo would guard on them)
             kept = [] if compiling else views
-            call = [k, 0 if compiling else autograd_sequence_nr(), exits, True, kept, factor]
+            call = [k, 0 if compiling else autograd_sequence_nr(), exits, True, kept, elsewhere]
             self._open.append(call)
             if not torch.is_grad_enabled():
                 return None
-            scale = functools.partial(self._exit_grad, k, None if factor is None else factor[1])
+            scale = functools.partial(self._exit_grad, k, elsewhere)
 
             def wrap(v: Any) -> Any:
                 if isinstance(v, torch.Tensor):
@@ -368,15 +375,14 @@ class Islands:
             call = self._open.pop() if self._open and self._open[-1][0] == k else None
             result = None  # (output None: its forward raised)
             if call is not None and output is not None and torch.is_grad_enabled():
-                for _, view, version in call[4]:
-                    if version is not None and view._version != version:
-                        self._regions.clear()
-                        raise RuntimeError(
-                            f"scale islands: the island {self.names[k]!r} modified an input "
-                            "in place (an inplace=True activation, x.add_(...)), so that "
-                            "input's gradient would leave the island without its 1 / f; make "
-                            "that operation out of place, or leave the module out of the islands"
-                        )
+                if any(view._version != version for _, view, version in call[4]):
+                    # (its view, rebased, has lost the hook that multiplies by 1 / f)
+                    self._unscalable(
+                        k,
+                        "modified an input in place (an inplace=True activation, x.add_(...))",
+                        "that input's gradient would leave the island without its 1 / f",
+                        "make that operation out of place, or leave the module out of the islands",
+                    )
                 result = self._leave(k, leaf, output, call)
             if not self._open:  # (the outermost call ended: no walk needs the regions; no
                 # try/finally, which torch.compile splits the graph for)
@@ -385,24 +391,56 @@ class Islands:
 
         return hook
 
+    def _unscalable(self, k: int, what: str, why: str, fix: str) -> None:
+        """Island k does something an island cannot scale (`what`, `why`): refused for a named
+        island (RuntimeError, with the `fix`); one "auto" chose runs at the global scale from
+        then on, with a warning: its factor pinned at 1 (its edges' multiplications, read in
+        backward, are then 1, this call's and this iteration's earlier ones too, and its
+        parameters' gradients are unscaled by 1)."""
+        if not self.forgiving:
+            self._regions.clear()
+            raise RuntimeError(f"scale islands: the island {self.names[k]!r} {what}: {why}; {fix}")
+        if not self._pinned[k]:
+            warnings.warn(
+                f"islands='auto': the island {self.names[k]!r} {what}, which an island cannot "
+                "scale; it runs at the global scale from now on",
+                stacklevel=3,
+            )
+        self._pinned[k] = True
+        self.pinned[k] = True
+        self._set_factors(torch.where(self.pinned, 1.0, self.factor))
+
     def _leave(self, k: int, leaf: bool, output: Any, call: list) -> Any:
-        _, start, exits, walkable, views, factor = call
-        f = None if factor is None else factor[0]
-        scale = functools.partial(self._entry_grad, k, f)
+        """The entries of a call's outputs, and a block's interior walk.  An island returning
+        one tensor that needs a gradient gets the factor on that tensor itself, ahead of the
+        hooks its modules put on it (a tracer's, a nested island's): an in-place op on it
+        outside keeps the factor on the value before the op.  One returning several, or one of
+        its inputs as it came, returns views made in :class:`ScaleIslandOutput` (an output its
+        forward also read to make another carries the island's own gradient beside what
+        enters it: the factor goes on the view, on what enters only), which autograd refuses
+        to modify in place.  Under torch.compile: plain views with the hook."""
+        _, start, exits, walkable, views, elsewhere = call
+        scale = functools.partial(self._entry_grad, k, elsewhere)
         # (torch.compiler.is_compiling() read where needed: a local holding it across the
         # graph break at register_hook made dynamo compile this frame again for each call)
         seen: dict[int, torch.Tensor] = {}
-        # (a leaf returning an input as it came: that view carries the exit's hook, and the
-        # entry's goes on a view of its own, as a block's; under torch.compile, views is empty)
-        if leaf and not (views and _holds_any(output, [view for _, view, _ in views])):
-            for t in _tensors(output):
-                if t.requires_grad and _scaled(t) and id(t) not in seen:
-                    seen[id(t)] = t
-                    t.register_hook(scale)
-            result = None
-        else:
-            if not leaf and walkable and not torch.compiler.is_compiling():
-                self._interior(k, output, start, exits)
+        if not leaf and walkable and not self._pinned[k] and not torch.compiler.is_compiling():
+            self._interior(k, output, start, exits)
+        entering = [t for t in _tensors(output) if t.requires_grad and _scaled(t)]
+        one = entering[0] if entering and all(t is entering[0] for t in entering) else None
+        direct = (
+            one is not None
+            and not (views and _holds_any(one, [v for _, v, _ in views]))
+            and (leaf or not torch.compiler.is_compiling())
+        )
+        result = None
+        if direct:
+            seen[id(one)] = one
+            if leaf:
+                one.register_hook(scale)  # (first: the islands' forward hook is prepended)
+            else:
+                register_hook_first(one, scale)
+        elif entering:
 
             def wrap(t: torch.Tensor) -> torch.Tensor:
                 if not (t.requires_grad and _scaled(t)):
@@ -413,15 +451,13 @@ class Islands:
                         view = t.view_as(t)
                         view.register_hook(scale)
                     else:
-                        view = ScaleIslandOutput.apply(t, self, k, f)
+                        view = ScaleIslandOutput.apply(t, self, k, elsewhere)
                     seen[id(t)] = view
                 return view
 
             result = _rebuilt(output, wrap, f"scale islands: the output of {self.names[k]!r}")
-        if (
-            self._open and not torch.compiler.is_compiling()
-        ):  # (inside an enclosing island's call: its walk
-            # leaves this region to it)
+        if self._open and not torch.compiler.is_compiling():  # (inside an enclosing island's
+            # call: its walk leaves this region to it)
             for t in seen.values():
                 if t.grad_fn is not None:
                     self._regions[t.grad_fn] = exits
@@ -456,33 +492,41 @@ class Islands:
                 continue
             if node._sequence_nr() < start:  # (made before the call; a parameter's node is
                 # numbered after every other)
-                self._check_made_from_own(k, node)
+                if not self._made_from_own(k, node):
+                    return self._unscalable(
+                        k,
+                        f"reads a tensor that needs a gradient and was made before its call "
+                        f"({node.name()}), not as an input (an attribute or a closure holding "
+                        "it)",
+                        "its gradient would leave the island without its 1 / f",
+                        "pass the tensor to the module's forward, or leave the module out of "
+                        "the islands",
+                    )
                 continue
             name = node.name()
             if name == _ACCUMULATE:
-                self._check_own(k, node)
+                j = self.of_param.get(id(node.variable), 0)
+                if j != k + 1 and id(node.variable) in self._param_ids:
+                    # (a model's parameter it does not hold; another leaf may be made inside
+                    # the call: a bias of zeros that needs a gradient, as T5's attention makes
+                    # under activation checkpointing)
+                    holder = f"the island {self.names[j - 1]!r}" if j else "no island"
+                    return self._unscalable(
+                        k,
+                        f"reads the parameter {self._param_name(node.variable)}, which "
+                        f"{holder} holds, directly inside its forward",
+                        "its gradient would carry the wrong factor",
+                        "name as the island the module that holds every parameter its forward "
+                        "reads, or leave it out",
+                    )
                 continue
             if name not in _SAME_VALUES:
                 node.register_prehook(measure)
             stack += [n for n, _ in node.next_functions]
 
-    def _check_own(self, k: int, node: Any) -> None:
-        """A leaf's gradient node reached inside island k: a parameter of the model must be
-        k's.  (Another leaf may be made inside the call: a bias of zeros that needs a gradient,
-        as T5's attention makes under activation checkpointing.)"""
-        j = self.of_param.get(id(node.variable), 0)
-        if j != k + 1 and id(node.variable) in self._param_ids:
-            holder = f"the island {self.names[j - 1]!r}" if j else "no island"
-            raise RuntimeError(
-                f"scale islands: the island {self.names[k]!r} reads the parameter "
-                f"{self._param_name(node.variable)}, which {holder} holds, directly inside "
-                "its forward: its gradient would carry the wrong factor.  Name as the island "
-                "the module that holds every parameter its forward reads, or leave it out"
-            )
-
-    def _check_made_from_own(self, k: int, node: Any) -> None:
-        """A node made before island k's call, reached from inside it: only its own
-        parameters may lie behind it (autocast's cached cast of one of its weights)."""
+    def _made_from_own(self, k: int, node: Any) -> bool:
+        """Whether only island k's own parameters lie behind `node`, made before its call and
+        reached from inside it (autocast's cached cast of one of its weights)."""
         stack, seen = [node], 0
         while stack:
             n = stack.pop()
@@ -490,20 +534,13 @@ class Islands:
                 continue
             if n.name() == _ACCUMULATE:
                 if self.of_param.get(id(n.variable), 0) != k + 1:
-                    break  # (a leaf made before the call: a parameter or not, not its own)
+                    return False  # (a leaf made before the call, a parameter or not, not its own)
                 continue
             seen += 1
             if seen > 64 or not n.next_functions:
-                break
+                return False
             stack.extend(m for m, _ in n.next_functions)
-        else:
-            return
-        raise RuntimeError(
-            f"scale islands: the island {self.names[k]!r} reads a tensor that needs a gradient "
-            f"and was made before its call ({node.name()}), not as an input (an attribute or "
-            "a closure holding it): its gradient would leave the island without its 1 / f.  "
-            "Pass the tensor to the module's forward, or leave the module out of the islands"
-        )
+        return True
 
     def _param_name(self, p: torch.Tensor) -> str:
         for n, q in self._named_params:
@@ -521,18 +558,22 @@ class Islands:
         return None
 
     @not_traced
-    def _exit_grad(self, k: int, inv: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    def _exit_grad(self, k: int, elsewhere: int | None, g: torch.Tensor) -> torch.Tensor:
         if _in_compiled_code():
-            return eager(Islands._exit_grad)(self, k, inv, g)
+            return eager(Islands._exit_grad)(self, k, elsewhere, g)
         self._record(k, EXIT, g)  # (at the island's scale: what its backward made)
-        return g * (self.edge_inv[k] if inv is None else inv)
+        return g * (self.edge_inv[k] if elsewhere is None else 1.0 / self._over(k, elsewhere))
 
     @not_traced
-    def _entry_grad(self, k: int, f: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    def _entry_grad(self, k: int, elsewhere: int | None, g: torch.Tensor) -> torch.Tensor:
         if _in_compiled_code():
-            return eager(Islands._entry_grad)(self, k, f, g)
+            return eager(Islands._entry_grad)(self, k, elsewhere, g)
         self._record(k, ENTRY, g)  # (before the factor: what arrives)
-        return g * (self.edge[k] if f is None else f)
+        return g * (self.edge[k] if elsewhere is None else self._over(k, elsewhere))
+
+    def _over(self, k: int, enclosing: int) -> torch.Tensor:
+        """Island k's factor over that of the island it was called in (-1: none)."""
+        return self.factor[k] if enclosing < 0 else self.factor[k] / self.factor[enclosing]
 
     def _record(self, k: int, edge: int, g: torch.Tensor) -> None:
         """The statistics of a gradient crossing island k's edge before its factor (ENTRY:
@@ -620,6 +661,7 @@ class Islands:
         ratio = self.scales().double() / scale.double()
         exponent = torch.log2(ratio).round().clamp(-_FACTOR_EXPONENT, _FACTOR_EXPONENT)
         exponent = torch.where(torch.isfinite(ratio) & (ratio > 0), exponent, 0.0)
+        exponent = torch.where(self.pinned, 0.0, exponent)
         factor = torch.exp2(exponent).float()
         self._set_factors(factor)
         self.scales().copy_((scale.double() * factor.double()).float())
@@ -828,19 +870,20 @@ def _scaled(t: torch.Tensor) -> bool:
 
 
 class ScaleIslandOutput(torch.autograd.Function):
-    """A block island's output as the forward returns it: a view whose gradient (what enters
-    the island in backward) is multiplied by the island's factor (the shared edge factor, or
-    the call's `f`).  Made in a Function, whose views autograd refuses to modify in place: an
-    in-place op on a hooked view would take its gradient around the factor."""
+    """An island's output as the forward returns it: a view whose gradient (what enters the
+    island in backward) is multiplied by the island's factor (over its parent's, or over that
+    of the island it was called in, `elsewhere`).  Made in a Function, whose views autograd
+    refuses to modify in place: an in-place op on a hooked view would take its gradient around
+    the factor."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, islands: Islands, k: int, f: Any) -> torch.Tensor:
-        ctx.islands, ctx.k, ctx.f = islands, k, f
+    def forward(ctx: Any, t: torch.Tensor, islands: Islands, k: int, elsewhere: Any) -> Any:
+        ctx.islands, ctx.k, ctx.elsewhere = islands, k, elsewhere
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return ctx.islands._entry_grad(ctx.k, ctx.f, g), None, None, None
+        return ctx.islands._entry_grad(ctx.k, ctx.elsewhere, g), None, None, None
 
 
 def _holds_any(value: Any, tensors: list) -> bool:
@@ -1052,7 +1095,8 @@ class ScalerIslands:
         rows = rows if rows is not None else self.loaded
         names = self.argument if self.argument != "auto" else rows and rows[0]["names"]
         # (made, and so checked, before anything changes: a refused watch() changes nothing)
-        islands = Islands(parameters, names, where) if names else None
+        auto = self.argument == "auto"
+        islands = Islands(parameters, names, where, forgiving=auto) if names else None
         if self.islands is not None:
             self.islands.remove()
         self.model, self.islands, self.loaded = parameters, None, rows
@@ -1079,7 +1123,7 @@ class ScalerIslands:
 
     def _install(self, names: Iterable[str], where: str) -> None:
         assert self.model is not None
-        self._adopt(Islands(self.model, names, where))
+        self._adopt(Islands(self.model, names, where, forgiving=self.argument == "auto"))
 
     def _adopt(self, islands: Islands) -> None:
         self.islands = islands
@@ -1175,7 +1219,9 @@ class ScalerIslands:
         if not names:
             return
         rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
-        grown = Islands(self.model, [*islands.names, *names], "GradScaler(islands='auto')")
+        grown = Islands(
+            self.model, [*islands.names, *names], "GradScaler(islands='auto')", forgiving=True
+        )
         global_bits = int(scale.reshape(1).view(torch.int32).item())
         left = rows_of[islands.names[0]][HYSTERESIS_LEFT]
         fresh = fresh_row(global_bits, left)
@@ -1244,7 +1290,7 @@ class ScalerIslands:
             self.loaded = None
         elif self.argument == "auto" and self.model is not None:
             # (made, and so checked, before anything changes)
-            islands = Islands(self.model, entry["names"], "load_state_dict")
+            islands = Islands(self.model, entry["names"], "load_state_dict", forgiving=True)
             if self.islands is not None:
                 self.islands.remove()
             self.loaded = (entry, scale)

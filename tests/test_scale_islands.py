@@ -583,6 +583,33 @@ class Siblings(nn.Module):
         return self.out(self.a(self.inp(x)) + self.b(self.inp(x)))
 
 
+class AlsoMakes(nn.Module):
+    """Returns a tensor and what its forward made of it: the first one's gradient holds the
+    island's own (through the second) beside what enters from outside."""
+
+    def __init__(self, leaf: bool) -> None:
+        super().__init__()
+        self.leaf = leaf
+        if leaf:
+            self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        else:
+            self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x @ self.w if self.leaf else self.lin(x)
+        return h, torch.tanh(h)
+
+
+class AlsoMakesNet(nn.Module):
+    def __init__(self, leaf: bool) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), AlsoMakes(leaf), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.mid(self.inp(x))
+        return self.out(a + b)
+
+
 class ToComplex(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -619,6 +646,18 @@ class ComplexNet(nn.Module):
         ),
         pytest.param(
             Siblings, ["a", "b"], {"a": 64.0, "b": 4.0}, id="island-called-inside-another"
+        ),
+        pytest.param(
+            lambda: AlsoMakesNet(leaf=True),
+            ["mid"],
+            {"mid": 64.0},
+            id="leaf-returning-a-tensor-and-what-it-made-of-it",
+        ),
+        pytest.param(
+            lambda: AlsoMakesNet(leaf=False),
+            ["mid"],
+            {"mid": 64.0},
+            id="block-returning-a-tensor-and-what-it-made-of-it",
         ),
         pytest.param(ComplexNet, ["mid"], {"mid": 64.0}, id="complex-output-block"),
         pytest.param(ComplexNet, ["mid.lin"], {"mid.lin": 64.0}, id="complex-output-leaf"),
@@ -724,13 +763,16 @@ class ReluFirst(nn.Module):
 
 
 def test_an_in_place_op_on_an_islands_output_outside_it() -> None:
-    """A leaf island's output modified in place keeps its factor (the hook stays on the value
-    before the op): exact.  A block's output is a view made in a Function whose in-place
-    modification autograd refuses: its gradient would go around the factor."""
+    """An island returning one tensor keeps its factor on that tensor (the hook holds the value
+    before an in-place op outside): exact, leaf and block.  One returning several returns views
+    made in a Function, whose in-place modification autograd refuses: the gradient would go
+    around the factor."""
+    for mid in (nn.Linear(8, 8), Outer()):
+        torch.manual_seed(0)
+        Exactness(InPlaceAfter(mid), ["mid"], {"mid": 64.0}, mse).iterations((1,))
     torch.manual_seed(0)
-    Exactness(InPlaceAfter(nn.Linear(8, 8)), ["mid"], {"mid": 64.0}, mse).iterations((1,))
-    torch.manual_seed(0)
-    model = InPlaceAfter(Outer())
+    model = InPlaceAfter(AlsoMakes(leaf=False))
+    model.forward = lambda x: model.out(model.mid(model.inp(x))[0].relu_())  # type: ignore
     scaler = scaler_with(["mid"])
     scaler.watch(model, activations=True)
     with pytest.raises(RuntimeError, match="ScaleIslandOutput is a view and is being modified"):
@@ -766,6 +808,34 @@ def test_a_model_moved_after_watch_is_told_to_watch_again() -> None:
     scaler.watch(model, activations=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     assert train(model, opt, scaler, range(2), mse) == [False, False]
+
+
+class SometimesInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(8))
+        self.in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.add_(self.bias) if self.in_place else x + self.bias) * 2.0
+
+
+def test_an_auto_island_modifying_its_input_in_place_runs_at_the_global_scale() -> None:
+    """One that "auto" chose is not refused: from the call that modifies its input it runs at
+    factor 1, that iteration included (its edges read their factors in backward), with a
+    warning; the gradients equal torch's."""
+    torch.manual_seed(0)
+    run = Exactness(InPlaceAfter(SometimesInPlace()), ["mid"], {"mid": 64.0}, mse)
+    run.model.forward = lambda x: run.model.out(run.model.mid(run.model.inp(x) * 1.0))
+    run.ref.forward = lambda x: run.ref.out(run.ref.mid(run.ref.inp(x) * 1.0))
+    run.scaler._island_set.islands.forgiving = True  # (as "auto" makes them)
+    run.model.mid.in_place = run.ref.mid.in_place = True
+    run.begin()
+    with pytest.warns(UserWarning, match="'mid' modified an input in place.*global scale"):
+        run.backward(1)
+    run.unscale()
+    run.step()
+    assert run.scaler.island_factors() == {"mid": 1.0}
 
 
 class Remembers(nn.Module):
@@ -824,6 +894,13 @@ def test_a_block_reading_what_is_not_its_own_is_refused(how: str, match: str) ->
     scaler.watch(model, activations=True)
     with pytest.raises(RuntimeError, match=match):
         mse(model)
+    # one "auto" chose runs at the global scale from then on, with a warning
+    scaler.watch(model, activations=True)
+    scaler._island_set.islands.forgiving = True
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(UserWarning, match=match + ".*global scale from now on"):
+        assert train(model, opt, scaler, range(2), mse) == [False, False]
+    assert scaler.island_factors() == {"mid": 1.0}
 
 
 class MakesALeaf(nn.Module):

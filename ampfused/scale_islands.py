@@ -246,6 +246,7 @@ class Islands:
         self._regions: dict[Any, list] = {}
         self._scratch: _Scratch | None = None
         self._handles = []
+        self._entry_scale = [functools.partial(self._entry_grad, k, None) for k in range(count)]
         for k, n in enumerate(self.names):
             module = modules[n]
             self._handles.append(
@@ -296,6 +297,7 @@ class Islands:
         untouched.  A ``torch.nn.DataParallel`` replica is refused: its parameters' gradients
         reach the island's own at the global scale, from other threads."""
         where = f"scale islands: an input of the island {self.names[k]!r}"
+        exit_scale, partial = functools.partial(self._exit_grad, k, None), functools.partial
 
         def hook(module: Any, args: tuple, kwargs: dict) -> Any:
             if module is not island:
@@ -326,7 +328,7 @@ class Islands:
             self._open.append(call)
             if not torch.is_grad_enabled():
                 return None
-            scale = functools.partial(self._exit_grad, k, elsewhere)
+            scale = exit_scale if elsewhere is None else partial(self._exit_grad, k, elsewhere)
 
             def wrap(v: Any) -> Any:
                 if isinstance(v, torch.Tensor):
@@ -420,7 +422,9 @@ class Islands:
         enters it: the factor goes on the view, on what enters only), which autograd refuses
         to modify in place.  Under torch.compile: plain views with the hook."""
         _, start, exits, walkable, views, elsewhere = call
-        scale = functools.partial(self._entry_grad, k, elsewhere)
+        scale = self._entry_scale[k]
+        if elsewhere is not None:
+            scale = functools.partial(self._entry_grad, k, elsewhere)
         # (torch.compiler.is_compiling() read where needed: a local holding it across the
         # graph break at register_hook made dynamo compile this frame again for each call)
         seen: dict[int, torch.Tensor] = {}

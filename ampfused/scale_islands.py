@@ -63,7 +63,11 @@ from ampfused._scale_state import (
     STATE_SIZE,
     headroom_bits,
 )
-from ampfused._torch_private import autograd_sequence_nr, register_hook_first
+from ampfused._torch_private import (
+    autograd_sequence_nr,
+    current_graph_task_id,
+    register_hook_first,
+)
 from ampfused.activations import _in_compiled_code, _Scratch, packed
 
 __all__ = ["Islands", "ScalerIslands", "check_islands_argument", "choose", "AUTO_GAP"]
@@ -220,6 +224,7 @@ class Islands:
         self.forgiving = forgiving
         self.pinned = torch.zeros(count, dtype=torch.bool, device=device)
         self._pinned = [False] * count  # (the same, on the host)
+        self._one = torch.ones((), dtype=torch.float32, device=device)
         self.state: torch.Tensor | None = None  # [count, STATE_SIZE] int32, made with the scale's
         self.next: torch.Tensor | None = None
         self.loaded: list | None = None  # a checkpoint's rows, for the lazy init
@@ -320,11 +325,16 @@ class Islands:
             # backward time, as the shared edges are)
             enclosing = self._open[-1][0] if self._open else -1
             elsewhere = None if enclosing == self.parent[k] else enclosing
+            if not self._open and not compiling and current_graph_task_id() != -1:
+                elsewhere = None  # (reentrant checkpointing's recomputation, alone in backward:
+                # taken as called where it was in the forward, inside its parent)
             exits: list = []
             views: list = []  # (an input, its view, the view's version)
             # (under torch.compile the call keeps no tensor: dynamo would guard on them)
             kept = [] if compiling else views
-            call = [k, 0 if compiling else autograd_sequence_nr(), exits, True, kept, elsewhere]
+            # (eager: the sequence number at the call's start, at least 1; 0 under compile)
+            start = 0 if compiling else max(autograd_sequence_nr(), 1)
+            call = [k, start, exits, True, kept, elsewhere]
             self._open.append(call)
             if not torch.is_grad_enabled():
                 return None
@@ -395,22 +405,41 @@ class Islands:
 
     def _unscalable(self, k: int, what: str, why: str, fix: str) -> None:
         """Island k does something an island cannot scale (`what`, `why`): refused for a named
-        island (RuntimeError, with the `fix`); one "auto" chose runs at the global scale from
-        then on, with a warning: its factor pinned at 1 (its edges' multiplications, read in
-        backward, are then 1, this call's and this iteration's earlier ones too, and its
-        parameters' gradients are unscaled by 1)."""
+        island (RuntimeError, with the `fix`); one "auto" chose is pinned, with a warning: it
+        runs at the scale around it (its factor its parent's, its edges' multiplications, read
+        in backward, 1: this call's and this iteration's earlier ones too; gradients its
+        parameters got earlier in the iteration moved to that factor), and the update leaves
+        it out (ScalerIslands.after_update)."""
         if not self.forgiving:
             self._regions.clear()
             raise RuntimeError(f"scale islands: the island {self.names[k]!r} {what}: {why}; {fix}")
         if not self._pinned[k]:
             warnings.warn(
                 f"islands='auto': the island {self.names[k]!r} {what}, which an island cannot "
-                "scale; it runs at the global scale from now on",
+                "scale; it runs at the scale around it from now on (it is left out at the "
+                "next update)",
                 stacklevel=3,
             )
+        old = self.factor[k].clone()
         self._pinned[k] = True
         self.pinned[k] = True
-        self._set_factors(torch.where(self.pinned, 1.0, self.factor))
+        self._set_factors(self._pinned_factors(self.factor))
+        # (an earlier backward of this iteration left its parameters' gradients at the old
+        # factor: moved to the new one, exactly, both being powers of two)
+        if any(edge[0] == k + 1 for edge in self.edges):
+            ratio = self.factor[k] / old
+            for p in self.model_params:
+                if p.grad is not None and self.of_param.get(id(p)) == k + 1:
+                    p.grad.mul_(ratio.to(p.grad.dtype))
+
+    def _pinned_factors(self, factor: torch.Tensor) -> torch.Tensor:
+        """`factor` with each pinned island's made its parent's (1 with none: its edges then
+        multiply by 1, and it runs at the scale around it); outer islands first."""
+        factor = factor.clone()
+        for j, pinned in enumerate(self._pinned):
+            if pinned:
+                factor[j] = factor[self.parent[j]] if self.parent[j] >= 0 else 1.0
+        return factor
 
     def _leave(self, k: int, leaf: bool, output: Any, call: list) -> Any:
         """The entries of a call's outputs, and a block's interior walk.  An island returning
@@ -432,11 +461,13 @@ class Islands:
             self._interior(k, output, start, exits)
         entering = [t for t in _tensors(output) if t.requires_grad and _scaled(t)]
         one = entering[0] if entering and all(t is entering[0] for t in entering) else None
-        direct = (
-            one is not None
-            and not (views and _holds_any(one, [v for _, v, _ in views]))
-            and (leaf or not torch.compiler.is_compiling())
-        )
+        direct = one is not None and (leaf or not torch.compiler.is_compiling())
+        if direct and start:  # (eager, where `start` is the call's: made in this call, not a
+            # parameter returned as it is, which would keep the hook, nor a tensor from before
+            # it, nor one of its inputs as it came)
+            direct = _made_in(one, start) and not (
+                views and _holds_any(one, [v for _, v, _ in views])
+            )
         result = None
         if direct:
             seen[id(one)] = one
@@ -576,7 +607,10 @@ class Islands:
         return g * (self.edge[k] if elsewhere is None else self._over(k, elsewhere))
 
     def _over(self, k: int, enclosing: int) -> torch.Tensor:
-        """Island k's factor over that of the island it was called in (-1: none)."""
+        """Island k's factor over that of the island it was called in (-1: none); 1 for a
+        pinned island."""
+        if self._pinned[k]:
+            return self._one
         return self.factor[k] if enclosing < 0 else self.factor[k] / self.factor[enclosing]
 
     def _record(self, k: int, edge: int, g: torch.Tensor) -> None:
@@ -665,8 +699,9 @@ class Islands:
         ratio = self.scales().double() / scale.double()
         exponent = torch.log2(ratio).round().clamp(-_FACTOR_EXPONENT, _FACTOR_EXPONENT)
         exponent = torch.where(torch.isfinite(ratio) & (ratio > 0), exponent, 0.0)
-        exponent = torch.where(self.pinned, 0.0, exponent)
         factor = torch.exp2(exponent).float()
+        if any(self._pinned):
+            factor = self._pinned_factors(factor)
         self._set_factors(factor)
         self.scales().copy_((scale.double() * factor.double()).float())
 
@@ -765,7 +800,7 @@ class Islands:
             agreed = torch.stack((top[1:], inside.double(), arrived.double()))
             _dist.all_reduce_flags([agreed], [(group, _dist.max_op()) for group, _ in plan])
             top[1:], inside, arrived = agreed[0], agreed[1] > 0, agreed[2] > 0
-        started = inside & ~arrived
+        started = inside & ~arrived & ~self.pinned  # (a pinned island is about to leave)
         found = started.float()
         self.hold = started.any()
         # (a largest value in float16's subnormals says little: what flushed to zero inside the
@@ -888,6 +923,11 @@ class ScaleIslandOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         return ctx.islands._entry_grad(ctx.k, ctx.elsewhere, g), None, None, None
+
+
+def _made_in(t: torch.Tensor, start: int) -> bool:
+    """Whether `t` was made by an operation numbered from `start` on (in an island's call)."""
+    return t.grad_fn is not None and t.grad_fn._sequence_nr() >= start
 
 
 def _holds_any(value: Any, tensors: list) -> bool:
@@ -1059,7 +1099,16 @@ class ScalerIslands:
     """What a GradScaler with ``islands=`` keeps: the argument, the model (from ``watch``),
     the installed :class:`Islands` (for "auto": once chosen), a checkpoint's rows."""
 
-    __slots__ = ("argument", "model", "islands", "loaded", "iterations", "last", "settled")
+    __slots__ = (
+        "argument",
+        "model",
+        "islands",
+        "loaded",
+        "iterations",
+        "last",
+        "settled",
+        "left_out",
+    )
 
     def __init__(self, argument: Any) -> None:
         self.argument = argument
@@ -1073,6 +1122,9 @@ class ScalerIslands:
         self.last: tuple[list[str], torch.Tensor] | None = None
         # "auto" before its choice: the scale of the last iteration it looked at
         self.settled: float | None = None
+        # "auto": the islands it left out (one did what an island cannot scale), not chosen
+        # again; kept in the checkpoint
+        self.left_out: set[str] = set()
 
     def attach(self, where: str, parameters: Any, activations: Any, plan: list) -> None:
         """watch(model, activations=...): the model the islands live in.  Several ranks need
@@ -1174,7 +1226,9 @@ class ScalerIslands:
                 if scale != self.settled and self.iterations not in AUTO_REVIEW:
                     self.settled = scale
                     return
-                names = choose(self.model, watch.tracer.now)
+                names = [
+                    n for n in choose(self.model, watch.tracer.now) or [] if n not in self.left_out
+                ]
                 if names:
                     self._install(names, "GradScaler(islands='auto')")
             return
@@ -1209,9 +1263,32 @@ class ScalerIslands:
             islands.refresh(scaler._scale)
             islands.edges = []
         self.iterations += 1
+        if any(self.islands._pinned):
+            self._leave_out_pinned(scaler._scale)
         watch = scaler._watch
-        if self.argument == "auto" and self.iterations in AUTO_REVIEW and watch is not None:
+        if (
+            self.argument == "auto"
+            and self.islands is not None
+            and self.iterations in AUTO_REVIEW
+            and watch is not None
+        ):
             self._review(watch.tracer.last, scaler._scale)
+
+    def _leave_out_pinned(self, scale: torch.Tensor) -> None:
+        """ "auto"'s islands pinned in this iteration (Islands._unscalable) are left out: the
+        others go on as they were (a sync: their rows), and none of those is chosen again."""
+        islands = self.islands
+        assert islands is not None and islands.state is not None and self.model is not None
+        pinned = [n for n, p in zip(islands.names, islands._pinned, strict=True) if p]
+        self.left_out.update(pinned)
+        keep = [n for n in islands.names if n not in pinned]
+        rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
+        islands.remove()
+        self.islands = None
+        if keep:
+            kept = Islands(self.model, keep, "GradScaler(islands='auto')", forgiving=True)
+            kept.load_rows([rows_of[n] for n in keep], float(scale))
+            self.islands = kept
 
     def _review(self, rows: list, scale: torch.Tensor) -> None:
         """ "auto" again: the modules that qualify now join the islands (none leaves), at factor
@@ -1219,7 +1296,11 @@ class ScalerIslands:
         islands = self.islands
         assert islands is not None and islands.state is not None and self.model is not None
         # (an overflowing iteration chooses nothing: None)
-        names = [n for n in choose(self.model, rows) or [] if n not in islands.names]
+        names = [
+            n
+            for n in choose(self.model, rows) or []
+            if n not in islands.names and n not in self.left_out
+        ]
         if not names:
             return
         rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
@@ -1250,7 +1331,8 @@ class ScalerIslands:
         if self.islands is not None and (
             self.islands.state is not None or self.islands.loaded is not None
         ):
-            return {**self.islands.checkpoint(), "iterations": self.iterations}
+            entry = {**self.islands.checkpoint(), "iterations": self.iterations}
+            return {**entry, "left_out": sorted(self.left_out)} if self.left_out else entry
         return None if self.loaded is None else self.loaded[0]
 
     def load(self, entry: Any, scale: float) -> None:
@@ -1269,6 +1351,8 @@ class ScalerIslands:
             )
             and len(entry["states"]) == len(entry["names"])
             and type(entry.get("iterations", 0)) is int
+            and isinstance(entry.get("left_out", []), list)
+            and all(isinstance(n, str) for n in entry.get("left_out", []))
         ):
             raise ValueError(
                 f"load_state_dict: state_dict[{CHECKPOINT_KEY!r}] must be what state_dict() "
@@ -1302,3 +1386,4 @@ class ScalerIslands:
         else:
             self.loaded = (entry, scale)
         self.iterations = entry.get("iterations", 0)
+        self.left_out = set(entry.get("left_out", []))

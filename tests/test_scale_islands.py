@@ -27,6 +27,7 @@ import collections
 import copy
 import dataclasses
 import pickle
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -822,8 +823,8 @@ class SometimesInPlace(nn.Module):
 
 def test_an_auto_island_modifying_its_input_in_place_runs_at_the_global_scale() -> None:
     """One that "auto" chose is not refused: from the call that modifies its input it runs at
-    factor 1, that iteration included (its edges read their factors in backward), with a
-    warning; the gradients equal torch's."""
+    the scale around it, that iteration included (its edges read their factors in backward),
+    with a warning, and the update leaves it out; the gradients equal torch's."""
     torch.manual_seed(0)
     run = Exactness(InPlaceAfter(SometimesInPlace()), ["mid"], {"mid": 64.0}, mse)
     run.model.forward = lambda x: run.model.out(run.model.mid(run.model.inp(x) * 1.0))
@@ -831,11 +832,171 @@ def test_an_auto_island_modifying_its_input_in_place_runs_at_the_global_scale() 
     run.scaler._island_set.islands.forgiving = True  # (as "auto" makes them)
     run.model.mid.in_place = run.ref.mid.in_place = True
     run.begin()
-    with pytest.warns(UserWarning, match="'mid' modified an input in place.*global scale"):
+    with pytest.warns(UserWarning, match="'mid' modified an input in place.*scale around it"):
         run.backward(1)
     run.unscale()
     run.step()
-    assert run.scaler.island_factors() == {"mid": 1.0}
+    assert run.scaler.island_factors() == {}
+    assert run.scaler._island_set.left_out == {"mid"}
+
+
+class PinnedInside(nn.Module):
+    """A block holding a leaf (`b`) that modifies its input in place once `in_place` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), SometimesInPlace(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x) * 1.0))
+
+
+def _pinned_run(make: Callable, islands: list[str], factors: dict) -> Exactness:
+    """An Exactness run whose islands "auto" would have chosen (pinned, not refused)."""
+    torch.manual_seed(0)
+    run = Exactness(make(), islands, factors, mse)
+    run.scaler._island_set.islands.forgiving = True
+    run.begin()
+    return run
+
+
+def _in_place(run: Exactness, on: bool = True) -> None:
+    for model in (run.model, run.ref):
+        for m in model.modules():
+            if isinstance(m, SometimesInPlace):
+                m.in_place = on
+
+
+def test_a_pinned_island_inside_another_runs_at_its_parents_scale() -> None:
+    """A nested island pinned runs at its parent's scale (its edges 1), not at the global one:
+    exact; the update leaves it out, its parent goes on."""
+    run = _pinned_run(
+        lambda: InPlaceAfter(PinnedInside()), ["mid", "mid.b"], {"mid": 16.0, "mid.b": 4.0}
+    )
+    run.model.forward = lambda x: run.model.out(run.model.mid(torch.tanh(run.model.inp(x))))
+    run.ref.forward = lambda x: run.ref.out(run.ref.mid(torch.tanh(run.ref.inp(x))))
+    _in_place(run)
+    with pytest.warns(UserWarning, match="'mid.b' modified an input in place"):
+        run.backward(1)
+    assert run.scaler._island_set.islands.factors() == {"mid": 16.0, "mid.b": 16.0}
+    run.unscale()
+    run.step()
+    assert list(run.scaler.island_factors()) == ["mid"]
+
+
+def test_a_pin_in_a_later_micro_batch_moves_the_earlier_gradients() -> None:
+    """Accumulation: the first backward ran the island at its factor, the second pins it; the
+    gradients its parameters got first are moved to the new factor: exact."""
+    run = _pinned_run(lambda: InPlaceAfter(SometimesInPlace()), ["mid"], {"mid": 16.0})
+    run.model.forward = lambda x: run.model.out(run.model.mid(run.model.inp(x) * 1.0))
+    run.ref.forward = lambda x: run.ref.out(run.ref.mid(run.ref.inp(x) * 1.0))
+    run.backward(1)
+    _in_place(run)
+    with pytest.warns(UserWarning, match="modified an input in place"):
+        run.backward(2)
+    run.unscale()
+    run.step()
+
+
+class Scaled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0  # (a fresh tensor for the in-place op)
+
+
+class Loud(nn.Module):
+    """Modifies its input in place; its output's gradient passes float16, where it overflows
+    at a high scale (inside the island)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.mul_(1.0)).half().float() * 4.0
+
+
+def test_an_overflow_in_a_pinned_island_backs_the_global_scale_off() -> None:
+    """An overflow that starts in an island being pinned is not held as the island's (it is
+    leaving): the global scale backs off, step by step as with no island at all."""
+
+    def loss(m: nn.Module, seed: int) -> torch.Tensor:
+        return mse(m, seed)
+
+    trails = []
+    for islands in (["2"], None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), Scaled(), Loud(), nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = ampfused.GradScaler("cpu", policy="headroom", islands=islands, init_scale=2.0**24)
+        scaler.watch(model, activations=True)
+        if islands:
+            scaler._island_set.islands.forgiving = True
+        trail: list = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for seed in range(6):
+                trail.append(train(model, opt, scaler, range(seed, seed + 1), loss)[0])
+                trail.append(scaler.get_scale())
+        trails.append(trail)
+    assert trails[0] == trails[1] and trails[0][1] < 2.0**24, trails
+
+
+class Token(nn.Module):
+    """Returns one of its parameters as it is (a learned token, a positional table)."""
+
+    def __init__(self, block: bool) -> None:
+        super().__init__()
+        self.tok = nn.Parameter(torch.randn(16, 8))
+        if block:
+            self.unused = nn.Linear(2, 2)
+
+    def forward(self) -> torch.Tensor:
+        return self.tok
+
+
+class TokenNet(nn.Module):
+    def __init__(self, block: bool) -> None:
+        super().__init__()
+        self.inp, self.t, self.out = nn.Linear(6, 8), Token(block), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)) + self.t())
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["leaf", "block"])
+def test_an_island_returning_its_parameter_leaves_no_hook_on_it(block: bool) -> None:
+    """The factor goes on a view: a hook on the parameter itself would stay there, one more
+    each call."""
+    torch.manual_seed(0)
+    run = Exactness(TokenNet(block), ["t"], {"t": 4.0}, mse)
+    run.iterations((1, 2))
+    assert not run.model.t.tok._backward_hooks
+
+
+class CheckpointsInside(nn.Module):
+    """A block whose nested island `c` runs under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.c, self.d = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.utils.checkpoint.checkpoint(self.c, h, use_reentrant=self.reentrant)
+        return self.d(torch.tanh(h))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_exact_with_a_nested_island_checkpointed(reentrant: bool) -> None:
+    """Reentrant checkpointing recomputes the nested island alone in backward, no island call
+    open: it runs inside its parent, as it did in the forward."""
+    torch.manual_seed(0)
+    model = InPlaceAfter(CheckpointsInside(reentrant))
+    model.forward = lambda x: model.out(model.mid(torch.tanh(model.inp(x))))
+    run = Exactness(model, ["mid", "mid.c"], {"mid": 16.0, "mid.c": 4.0}, mse)
+    run.ref.forward = lambda x: run.ref.out(run.ref.mid(torch.tanh(run.ref.inp(x))))
+    run.iterations((1, 2))
 
 
 class Remembers(nn.Module):
@@ -898,9 +1059,10 @@ def test_a_block_reading_what_is_not_its_own_is_refused(how: str, match: str) ->
     scaler.watch(model, activations=True)
     scaler._island_set.islands.forgiving = True
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.warns(UserWarning, match=match + ".*global scale from now on"):
+    with pytest.warns(UserWarning, match=match + ".*scale around it from now on"):
         assert train(model, opt, scaler, range(2), mse) == [False, False]
-    assert scaler.island_factors() == {"mid": 1.0}
+    assert scaler.island_factors() == {}
+    assert CHECKPOINT_KEY not in scaler.state_dict()
 
 
 class MakesALeaf(nn.Module):

@@ -882,6 +882,14 @@ def test_a_pinned_island_inside_another_runs_at_its_parents_scale() -> None:
     run.unscale()
     run.step()
     assert list(run.scaler.island_factors()) == ["mid"]
+    # the names left out go with the checkpoint (auto does not choose them again)
+    saved = run.scaler.state_dict()
+    assert saved[CHECKPOINT_KEY]["left_out"] == ["mid.b"]
+    again = scaler_with("auto")
+    again.load_state_dict(saved)
+    assert again._island_set.left_out == {"mid.b"}
+    with pytest.raises(ValueError, match="must be what state_dict"):
+        again.load_state_dict({**saved, CHECKPOINT_KEY: {**saved[CHECKPOINT_KEY], "left_out": 3}})
 
 
 def test_a_pin_in_a_later_micro_batch_moves_the_earlier_gradients() -> None:

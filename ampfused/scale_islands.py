@@ -289,20 +289,20 @@ class Islands:
         (what leaves the island in backward) is multiplied by the island's 1 / f, one view per
         tensor (a tensor passed twice is one tensor inside too).  It opens the call
         (:attr:`_open`: the island, the autograd sequence number at its start, its exits'
-        nodes, whether its graph can be walked, its input views with their versions, and its
-        factor where it is not the declared one), which the forward hook closes.
+        nodes, whether its graph can be walked, its input views with their versions, and the
+        island it is called in where that is not its parent), which the forward hook closes.
 
         An island runs at the global scale times its factor wherever it is called: inside its
         parent island by name, its edges multiply by its factor over the parent's (the shared
         :attr:`edge`); called elsewhere (outside its parent, inside another island), by its
-        factor over the island it is called in, made for the call.
+        factor over the island it is called in (:meth:`_over`, read in backward).
 
         A copy of the module (``copy.deepcopy`` of the model copies its hooks) is not the
         island: its parameters are not the scaler's, and it runs at the global scale
         untouched.  A ``torch.nn.DataParallel`` replica is refused: its parameters' gradients
         reach the island's own at the global scale, from other threads."""
         where = f"scale islands: an input of the island {self.names[k]!r}"
-        exit_scale, partial = functools.partial(self._exit_grad, k, None), functools.partial
+        exit_scale = functools.partial(self._exit_grad, k, None)
 
         def hook(module: Any, args: tuple, kwargs: dict) -> Any:
             if module is not island:
@@ -338,7 +338,9 @@ class Islands:
             self._open.append(call)
             if not torch.is_grad_enabled():
                 return None
-            scale = exit_scale if elsewhere is None else partial(self._exit_grad, k, elsewhere)
+            scale = exit_scale
+            if elsewhere is not None:
+                scale = functools.partial(self._exit_grad, k, elsewhere)
 
             def wrap(v: Any) -> Any:
                 if isinstance(v, torch.Tensor):
@@ -374,13 +376,9 @@ class Islands:
     def _leaving(self, k: int, leaf: bool) -> Any:
         """The forward hook (always called: it closes the call :meth:`_entering` opened): the
         gradient of each output that needs one (what enters the island in backward) is
-        multiplied by the island's f, once per tensor (an output holding a tensor twice gets
-        one factor).  A leaf module's output tensors get the hook themselves (it runs before a
-        tracer's, registered after it); a block's leave through :class:`ScaleIslandOutput` (a
-        view whose backward multiplies), so that it runs before the hooks a traced child put on
-        the same tensor and an in-place op on it is refused, and its interior is measured
-        (:meth:`_interior`).  An input the forward modified in place is refused: its view's
-        gradient would leave without the 1 / f."""
+        multiplied by the island's f, once per tensor (:meth:`_leave`), and a block's interior
+        is measured (:meth:`_interior`).  An input the forward modified in place cannot be
+        scaled (:meth:`_unscalable`): its view, rebased, has lost its hook."""
 
         def hook(module: Any, args: tuple, output: Any) -> Any:
             # (the call this pre-hook opened: none where another pre-hook raised before it)

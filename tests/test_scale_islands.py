@@ -735,6 +735,43 @@ def test_autograd_grad_of_the_scaled_loss_carries_the_islands_factor() -> None:
         assert torch.equal(g / divisor, r / run.ref_scaler.get_scale()), name
 
 
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+class Watched(nn.Module):
+    """Puts a user's hook on its island's output (the first tensor of it)."""
+
+    def __init__(self, mid: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 8), mid, nn.Linear(8, 3)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mid(torch.tanh(self.inp(x)))
+        first = y[0] if isinstance(y, tuple) else y
+        first.register_hook(lambda g: self.seen.append(g.clone()))
+        return self.out(first + y[1] if isinstance(y, tuple) else first)
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one-output", "several-outputs"])
+def test_a_hook_on_an_islands_output_sees_what_the_docs_say(several: bool) -> None:
+    """One output: the island's scale (its hook runs after the island's); several: the global
+    scale (the factor is applied behind the views)."""
+    torch.manual_seed(0)
+    run = Exactness(Watched(Pair() if several else Outer()), ["mid"], {"mid": 8.0}, mse)
+    run.model.seen.clear()
+    run.ref.seen.clear()
+    run.backward(1)
+    (got,), (want,) = run.model.seen, run.ref.seen
+    assert torch.equal(got, want if several else want * 8.0)
+
+
 class InPlaceAfter(nn.Module):
     def __init__(self, mid: nn.Module) -> None:
         super().__init__()

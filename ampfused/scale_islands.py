@@ -219,8 +219,8 @@ class Islands:
         self.inv = torch.ones(count, dtype=torch.float32, device=device)
         self.edge = torch.ones(count, dtype=torch.float32, device=device)
         self.edge_inv = torch.ones(count, dtype=torch.float32, device=device)
-        # ("auto"'s islands, `forgiving`: one that modifies an input in place is pinned at
-        # factor 1 instead of refused, :meth:`_modified_input`)
+        # ("auto"'s islands, `forgiving`: one doing what an island cannot scale is pinned at
+        # the scale around it instead of refused, :meth:`_unscalable`)
         self.forgiving = forgiving
         self.pinned = torch.zeros(count, dtype=torch.bool, device=device)
         self._pinned = [False] * count  # (the same, on the host)

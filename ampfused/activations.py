@@ -222,7 +222,6 @@ class Tracer:
         outs: list[torch.Tensor],
         ins: list[torch.Tensor],
     ) -> None:
-        outs, ins = [packed(t) for t in outs], [packed(t) for t in ins]
         out = outs[0]
         device = out.device
         if len(outs) == 1 and len(ins) <= 1:  # (most module calls: no generator, no loop)
@@ -247,7 +246,7 @@ class Tracer:
             scratch = self._scratch[device] = _Scratch(device)
         table = torch.empty((rows, _FIELDS), dtype=torch.float64, device=device)
         args = (
-            ins + outs,
+            ins + outs,  # (the sizes above are the same packed)
             scratch.found,
             scratch.state,
             scratch.next,

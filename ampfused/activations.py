@@ -246,7 +246,7 @@ class Tracer:
             scratch = self._scratch[device] = _Scratch(device)
         table = torch.empty((rows, _FIELDS), dtype=torch.float64, device=device)
         args = (
-            ins + outs,  # (the sizes above are the same packed)
+            [packed(t) for t in ins + outs],  # (the sizes above are the same packed)
             scratch.found,
             scratch.state,
             scratch.next,

@@ -1280,13 +1280,11 @@ class ScalerIslands:
         pinned = [n for n, p in zip(islands.names, islands._pinned, strict=True) if p]
         self.left_out.update(pinned)
         keep = [n for n in islands.names if n not in pinned]
-        rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
-        islands.remove()
-        self.islands = None
         if keep:
-            kept = Islands(self.model, keep, "GradScaler(islands='auto')", forgiving=True)
-            kept.load_rows([rows_of[n] for n in keep], float(scale))
-            self.islands = kept
+            self._remake(keep, scale, None)
+        else:
+            islands.remove()
+            self.islands = None
 
     def _review(self, rows: list, scale: torch.Tensor) -> None:
         """ "auto" again: the modules that qualify now join the islands (none leaves), at factor
@@ -1301,16 +1299,20 @@ class ScalerIslands:
         ]
         if not names:
             return
-        rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
-        grown = Islands(
-            self.model, [*islands.names, *names], "GradScaler(islands='auto')", forgiving=True
-        )
         global_bits = int(scale.reshape(1).view(torch.int32).item())
-        left = rows_of[islands.names[0]][HYSTERESIS_LEFT]
-        fresh = fresh_row(global_bits, left)
+        left = int(islands.state[0, HYSTERESIS_LEFT])
+        self._remake([*islands.names, *names], scale, fresh_row(global_bits, left))
+
+    def _remake(self, names: list[str], scale: torch.Tensor, fresh: list[int] | None) -> None:
+        """The islands made again as `names` (made, and so checked, before the old ones go):
+        each that was one keeps its row, a new one starts from `fresh` (a sync: the rows)."""
+        islands = self.islands
+        assert islands is not None and islands.state is not None and self.model is not None
+        rows_of = dict(zip(islands.names, islands.state.tolist(), strict=True))
+        made = Islands(self.model, names, "GradScaler(islands='auto')", forgiving=True)
         islands.remove()
-        grown.load_rows([rows_of.get(n, fresh) for n in grown.names], float(scale))
-        self.islands = grown
+        made.load_rows([rows_of.get(n, fresh) for n in made.names], float(scale))
+        self.islands = made
 
     def factors_of(self, current: bool) -> dict[str, float]:
         """The factors in force in the current iteration, or the last completed one (a
